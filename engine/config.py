@@ -1,0 +1,68 @@
+"""EngineConfig: the user's knobs, frozen and validated. Start-up facts live in ModelSpec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BATCHING_STRATEGIES = ("none", "dynamic", "continuous", "paged")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine is asked to do. Field names follow vLLM where one exists."""
+
+    model: str
+    batching: str = "none"
+    # Most sequences that hold KV at once: 1 for none, batch_size for dynamic,
+    # max_rolling_batch_size for continuous/paged.
+    max_num_seqs: int = 1
+    max_batch_delay_ms: float = 100.0
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # Token budget of one step (prefill + decode tokens). None: no cap for the contiguous
+    # strategies; the paged scheduler picks its own default.
+    max_num_batched_tokens: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    # KV pool size, one budget for every strategy: bytes, or an explicit block count.
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.batching in BATCHING_STRATEGIES, "batching", self.batching,
+               f"one of {', '.join(BATCHING_STRATEGIES)}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        _check(self.batching != "none" or self.max_num_seqs == 1, "max_num_seqs",
+               self.max_num_seqs, "1 when batching is none")
+        _check(self.max_batch_delay_ms >= 0, "max_batch_delay_ms", self.max_batch_delay_ms, ">= 0")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+               self.max_model_len, "an integer >= 2")
+        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+               "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1")
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _check(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
+        _check(self.block_size >= 1, "block_size", self.block_size, "an integer >= 1")
+        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
+               self.kv_cache_memory, "a positive number of bytes")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
+               self.num_kv_blocks, "an integer >= 1")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+               self.gpu_memory_utilization, "a fraction in (0, 1]")
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Contiguous strategies reserve one max_model_len block per sequence."""
+        return self.batching != "paged"
+
+
+def _check(ok: bool, field: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid {field}={value!r}: must be {allowed}")

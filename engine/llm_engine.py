@@ -1,0 +1,202 @@
+"""LLMEngine: tokenizer, scheduler and model runner; one step is schedule → run → postprocess."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.allocator import ContiguousAllocator, KVAllocator
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalText
+from engine.outputs import SampledToken, StepStats, TokenEvent
+from engine.sampling_params import RequestError, SamplingParams
+from engine.scheduler import SCHEDULERS, ScheduledBatch, Scheduler
+from engine.sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq: Sequence
+    text: IncrementalText
+
+
+class LLMEngine:
+    """Owns the scheduler, the runner and every in-flight request; one loop thread drives it."""
+
+    def __init__(self, config: EngineConfig, tokenizer, scheduler: Scheduler, runner,
+                 max_model_len: int, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._requests: dict[int, _Request] = {}  # seq id -> request
+        self._ids: dict[str, int] = {}  # request id -> seq id
+        self._next_seq_id = 0
+        self._seed_rng = random.Random(config.seed)
+        self._last_batch: ScheduledBatch | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load tokenizer and weights, size the KV pool, build the strategy's scheduler."""
+        from transformers import AutoTokenizer
+
+        from engine.model_runner import ModelRunner
+        from engine.models.loader import load_model, resolve_device, resolve_dtype
+
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        model, spec = load_model(config.model, dtype, device)
+        tokenizer = AutoTokenizer.from_pretrained(
+            config.model, trust_remote_code=config.trust_remote_code, local_files_only=True)
+        max_model_len = _max_model_len(config, spec.max_position_embeddings)
+        allocator = build_allocator(config, max_model_len)
+        scheduler = SCHEDULERS[config.batching](config, allocator)
+        runner = ModelRunner(model, spec, device, dtype, allocator.num_blocks, allocator.block_size)
+        eos = _eos_token_ids(Path(config.model), tokenizer)
+        logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d, %d KV blocks of "
+                    "%d tokens (%.1f MiB)", spec.architecture, device, dtype, config.batching,
+                    max_model_len, allocator.num_blocks, allocator.block_size,
+                    allocator.num_blocks * allocator.block_size * spec.kv_bytes_per_token / 2**20)
+        return cls(config, tokenizer, scheduler, runner, max_model_len, spec.vocab_size, eos)
+
+    # --- requests ---
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if this request can never run (empty, too long, bad token ids)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("inputs must not be empty (0 tokens after tokenization)", "inputs")
+        if n + params.max_new_tokens > self.max_model_len:
+            raise RequestError(
+                f"inputs tokens + max_new_tokens must be <= {self.max_model_len} (max_model_len). "
+                f"Given: {n} inputs tokens and {params.max_new_tokens} max_new_tokens", "inputs")
+        if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise RequestError(f"token ids must be in [0, {self.vocab_size})", "inputs")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Queue a validated request under a caller-chosen unique id."""
+        self.validate(prompt_token_ids, params)
+        assert request_id not in self._ids, f"duplicate request id {request_id}"
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(self._next_seq_id, prompt_token_ids, params, self.eos_token_ids, seed)
+        self._next_seq_id += 1
+        text = IncrementalText(self.tokenizer.backend_tokenizer, params.stop)
+        self._requests[seq.seq_id] = _Request(request_id, seq, text)
+        self._ids[request_id] = seq.seq_id
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+              error: str | None = None) -> TokenEvent | None:
+        """End a request now and free its KV; returns its final event (None if unknown)."""
+        seq_id = self._ids.get(request_id)
+        if seq_id is None:
+            return None
+        req = self._requests[seq_id]
+        self.scheduler.finish(req.seq, reason)
+        return self._event(req, None, None, req.text.flush(), error)
+
+    def fail_last_batch(self, error: str) -> list[TokenEvent]:
+        """End every request of the batch whose step raised; returns their final events."""
+        batch, self._last_batch = self._last_batch, None
+        if batch is None:
+            return []
+        live = [self._requests[s.seq_id] for s in batch.seqs if s.seq_id in self._requests]
+        ids = [req.request_id for req in live]
+        return [e for rid in ids if (e := self.abort(rid, FinishReason.ERROR, error))]
+
+    @property
+    def last_batch(self) -> ScheduledBatch | None:
+        """The batch of the latest step (None when nothing could run)."""
+        return self._last_batch
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step ---
+
+    def step(self) -> list[TokenEvent]:
+        """Run one iteration; returns one event per request that got a token or finished."""
+        self._last_batch = None
+        batch = self._last_batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        samples = self.runner.run(batch)
+        self.scheduler.postprocess(batch, samples)
+        return self._events(batch, samples)
+
+    def last_step_stats(self, seconds: float) -> StepStats:
+        """Facts about the step just run, for metrics."""
+        batch, allocator = self._last_batch, self.scheduler.allocator
+        return StepStats(
+            num_seqs=len(batch.seqs) if batch else 0,
+            num_prefill_tokens=batch.num_prefill_tokens if batch else 0,
+            num_decode_tokens=batch.num_decode_tokens if batch else 0,
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            kv_blocks_used=allocator.num_used_blocks, kv_blocks_total=allocator.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions, step_seconds=seconds)
+
+    def _events(self, batch: ScheduledBatch,
+                samples: list[SampledToken | None]) -> list[TokenEvent]:
+        events = []
+        for seq, sample in zip(batch.seqs, samples, strict=True):
+            req = self._requests.get(seq.seq_id)
+            if sample is None or req is None:
+                continue
+            check_stop = bool(seq.params.stop) and not seq.is_finished and (
+                seq.num_output_tokens >= seq.params.min_new_tokens)
+            delta, stopped = req.text.add(sample.token_id, check_stop)
+            if stopped:
+                self.scheduler.finish(seq, FinishReason.STOP)
+            elif seq.is_finished:
+                delta += req.text.flush()
+            events.append(self._event(req, sample.token_id, sample.logprob, delta))
+        return events
+
+    def _event(self, req: _Request, token_id: int | None, logprob: float | None, text: str,
+               error: str | None = None) -> TokenEvent:
+        seq = req.seq
+        reason = seq.finish_reason.value if seq.finish_reason else None
+        if reason is not None:
+            del self._requests[seq.seq_id]
+            del self._ids[req.request_id]
+        return TokenEvent(req.request_id, token_id, text, logprob, seq.num_prompt_tokens,
+                          seq.num_output_tokens, reason, error)
+
+
+def build_allocator(config: EngineConfig, max_model_len: int) -> KVAllocator:
+    """The strategy's KV allocator: one max_model_len region per running sequence."""
+    if config.batching == "paged":
+        raise ValueError("batching=paged needs the paged block manager, which this build lacks")
+    return ContiguousAllocator(num_slots=config.max_num_seqs, max_model_len=max_model_len)
+
+
+def _max_model_len(config: EngineConfig, model_max: int) -> int:
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(f"invalid max_model_len={config.max_model_len}: must be <= the model's "
+                         f"max_position_embeddings ({model_max})")
+    return config.max_model_len
+
+
+def _eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
+    import json
+
+    ids: set[int] = set()
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,209 @@
+"""EngineLoop: one background thread owns the LLMEngine; callers submit and read events."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import StepStats, TokenEvent
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.5  # how often a waiting reader re-checks that the loop is alive
+_MAX_CONSECUTIVE_FAILURES = 3  # then the loop stops and /ping turns 503
+
+
+class QueueFullError(RuntimeError):
+    """More requests than running capacity + job_queue_size are in flight (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The loop is not running (loading, crashed or shutting down) (HTTP 503)."""
+
+
+class RequestHandle:
+    """A submitted request: iterate its events; abort() it when the client goes away."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._loop = loop
+        self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self.finished = False
+
+    def events(self) -> Iterator[TokenEvent]:
+        """Yield token events until the final one (which has a finish_reason)."""
+        while not self.finished:
+            try:
+                event = self._events.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                if not self._loop.is_alive():
+                    event = self._dead_event()
+                else:
+                    continue
+            self.finished = event.finished
+            yield event
+
+    def abort(self) -> None:
+        """Stop generating for this request and free its KV (no-op once finished)."""
+        if not self.finished:
+            self._loop.abort(self.request_id)
+
+    def _dead_event(self) -> TokenEvent:
+        return TokenEvent(self.request_id, None, "", None, self.num_prompt_tokens, 0,
+                          FinishReason.ERROR.value, "the engine loop stopped")
+
+
+class EngineLoop:
+    """Drives engine.step() in a thread; thread-safe submit/abort; deadlines; bounded shutdown."""
+
+    def __init__(self, engine: LLMEngine, max_queued: int,
+                 on_step: Callable[[StepStats], None] | None = None) -> None:
+        self.engine = engine
+        # In flight at most: what can run at once plus job_queue_size waiting.
+        self.capacity = engine.config.max_num_seqs + max_queued
+        self._on_step = on_step
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._deadlines: dict[str, float] = {}
+        self._ids = itertools.count()
+        self._accepting = True
+        self._stopping = False
+        self._failures = 0
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._cond:
+            return len(self._handles)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               deadline: float | None = None) -> RequestHandle:
+        """Queue a request; raises RequestError, QueueFullError or EngineDeadError."""
+        self.engine.validate(prompt_token_ids, params)
+        with self._cond:
+            if not self._accepting or not self.is_alive():
+                raise EngineDeadError("the engine is not accepting requests")
+            if len(self._handles) >= self.capacity:
+                raise QueueFullError(f"{len(self._handles)} requests in flight; capacity is "
+                                     f"{self.capacity} (max running + job_queue_size)")
+            request_id = f"req-{next(self._ids)}"
+            handle = RequestHandle(self, request_id, len(prompt_token_ids))
+            self._handles[request_id] = handle
+            if deadline is not None:
+                self._deadlines[request_id] = deadline
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params)))
+            self._cond.notify()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    def shutdown(self, grace_seconds: float) -> None:
+        """Stop accepting, let in-flight requests finish within the grace period, abort the rest."""
+        with self._cond:
+            self._accepting = False
+        end = time.monotonic() + grace_seconds
+        while self.num_in_flight and time.monotonic() < end and self._thread.is_alive():
+            time.sleep(0.05)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            logger.warning("engine loop did not stop within 5 s")
+
+    # --- the loop thread ---
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                self._expire(time.monotonic())
+                if not self.engine.has_unfinished():
+                    self._idle(None)
+                    continue
+                start = time.perf_counter()
+                self._dispatch(self._step())
+                if self.engine.last_batch is None:  # nothing could run: wait for time or input
+                    self._idle(self.engine.scheduler.wait_hint())
+                elif self._on_step is not None:
+                    self._on_step(self.engine.last_step_stats(time.perf_counter() - start))
+        except Exception:
+            logger.exception("engine loop crashed")
+        finally:
+            self._abort_all("the engine loop stopped")
+
+    def _step(self) -> list[TokenEvent]:
+        try:
+            events = self.engine.step()
+        except Exception:
+            self._failures += 1
+            if self._failures >= _MAX_CONSECUTIVE_FAILURES:
+                raise
+            # The failed batch's KV is not trustworthy: fail its requests, keep serving the rest.
+            logger.exception("engine step failed; failing the requests of that batch")
+            return self.engine.fail_last_batch("engine failure")
+        self._failures = 0
+        return events
+
+    def _idle(self, timeout: float | None) -> None:
+        with self._cond:
+            if not self._inbox and not self._stopping:
+                self._cond.wait(timeout=_POLL_SECONDS if timeout is None else max(timeout, 1e-4))
+
+    def _drain_inbox(self) -> None:
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        for kind, payload in inbox:
+            if kind == "add":
+                request_id, prompt, params = payload  # type: ignore[misc]
+                self.engine.add_request(request_id, prompt, params)
+            else:
+                event = self.engine.abort(payload)  # type: ignore[arg-type]
+                if event is not None:
+                    self._dispatch([event])
+
+    def _expire(self, now: float) -> None:
+        with self._cond:
+            expired = [rid for rid, t in self._deadlines.items() if t <= now]
+        for rid in expired:
+            event = self.engine.abort(rid, FinishReason.TIMEOUT, "predict_timeout exceeded")
+            self._dispatch([event] if event else [])
+            with self._cond:
+                self._deadlines.pop(rid, None)
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        with self._cond:
+            for event in events:
+                handle = self._handles.get(event.request_id)
+                if handle is None:
+                    continue
+                handle._events.put(event)
+                if event.finished:
+                    del self._handles[event.request_id]
+                    self._deadlines.pop(event.request_id, None)
+
+    def _abort_all(self, error: str) -> None:
+        with self._cond:
+            self._inbox = [item for item in self._inbox if item[0] != "add"]
+            handles = list(self._handles.values())
+        for handle in handles:
+            event = self.engine.abort(handle.request_id, FinishReason.ERROR, error)
+            self._dispatch([event or handle._dead_event()])

@@ -1,0 +1,51 @@
+"""What leaves the engine: sampled tokens (runner to scheduler) and token events (to callers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One token the runner sampled for a sequence whose KV caught up with its tokens."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step's news for one request: a new token (with its text delta), its end, or both.
+
+    `text` is the text this token completes: it may be "" for the first bytes of a multi-byte
+    character and hold the whole character on the token that completes it, so the deltas
+    always concatenate to the decoded output.
+    """
+
+    request_id: str
+    token_id: int | None
+    text: str
+    logprob: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Per-step facts for metrics: batch size, token split and KV occupancy."""
+
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    step_seconds: float

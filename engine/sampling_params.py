@@ -1,0 +1,61 @@
+"""SamplingParams: one request's decoding knobs, validated where they are built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCE_CHARS = 256
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the field and the limit (HTTP 400)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. Greedy unless do_sample is set."""
+
+    max_new_tokens: int = 30
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    repetition_penalty: float = 1.0  # 1.0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
+        _require(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+                 f"must be between 0 and max_new_tokens ({self.max_new_tokens})",
+                 self.min_new_tokens)
+        _require(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        _require(not self.do_sample or self.temperature > 0, "temperature",
+                 "must be > 0 when do_sample is true", self.temperature)
+        _require(self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)", self.top_k)
+        _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0",
+                 self.repetition_penalty)
+        _require(self.seed is None or 0 <= self.seed < 2**63, "seed",
+                 "must be an integer in [0, 2**63)", self.seed)
+        _require(len(self.stop) <= MAX_STOP_SEQUENCES, "stop_sequences",
+                 f"at most {MAX_STOP_SEQUENCES} entries", len(self.stop))
+        for s in self.stop:
+            _require(0 < len(s) <= MAX_STOP_SEQUENCE_CHARS, "stop_sequences",
+                     f"each entry must have 1 to {MAX_STOP_SEQUENCE_CHARS} characters", len(s))
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+def _require(ok: bool, field: str, rule: str, given: object) -> None:
+    if not ok:
+        raise RequestError(f"parameters.{field} {rule} (given: {given!r})", field=field)

@@ -1,0 +1,16 @@
+"""The batching strategies, by the name serving.properties resolves to."""
+
+from __future__ import annotations
+
+from engine.scheduler.base import ScheduledBatch, Scheduler
+from engine.scheduler.continuous import ContinuousBatching
+from engine.scheduler.dynamic import DynamicBatching
+from engine.scheduler.no_batching import NoBatching
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    "none": NoBatching,
+    "dynamic": DynamicBatching,
+    "continuous": ContinuousBatching,
+}
+
+__all__ = ["SCHEDULERS", "ScheduledBatch", "Scheduler"]

@@ -1,0 +1,138 @@
+"""Scheduler interface and the batch it returns. Pure Python: no torch here."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.allocator import KVAllocator
+from engine.config import EngineConfig
+from engine.outputs import SampledToken
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work: each sequence and how many of its uncomputed tokens run now."""
+
+    seqs: tuple[Sequence, ...]
+    num_scheduled_tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert self.seqs and len(self.seqs) == len(self.num_scheduled_tokens)
+        assert all(0 < n <= s.num_uncomputed_tokens
+                   for s, n in zip(self.seqs, self.num_scheduled_tokens, strict=True))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def is_sampled(self, i: int) -> bool:
+        """Whether sequence i catches up this step, so the runner samples its next token."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_scheduled_tokens[i] == seq.num_tokens
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s, n in zip(self.seqs, self.num_scheduled_tokens, strict=True)
+                   if n == 1 and s.num_output_tokens > 0 and s.num_uncomputed_tokens == 1)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+
+class Scheduler(ABC):
+    """Admission policy over one allocator. Subclasses implement schedule() only."""
+
+    def __init__(self, config: EngineConfig, allocator: KVAllocator,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.now = now
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FIFO)."""
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        seq.arrival_time = self.now()
+        self.waiting.append(seq)
+
+    @abstractmethod
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch, or None when nothing can run now."""
+
+    def postprocess(self, batch: ScheduledBatch,
+                    samples: list[SampledToken | None]) -> list[Sequence]:
+        """Advance each sequence by its scheduled tokens, append sampled ones, retire finished.
+
+        Returns the sequences that finished in this step.
+        """
+        finished = []
+        for seq, n, sample in zip(batch.seqs, batch.num_scheduled_tokens, samples, strict=True):
+            if seq.is_finished:  # finished by the caller between schedule() and now
+                continue
+            seq.num_computed_tokens += n
+            if sample is None:
+                continue
+            seq.append_token(sample.token_id)
+            reason = seq.token_finish_reason()
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End `seq` now (stop string, abort, timeout, error) and free its KV."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.allocator.free(seq)
+        seq.finish(reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def wait_hint(self) -> float | None:
+        """Seconds until schedule() may return a batch with no new input; None: only input helps."""
+        return None
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if queues, statuses or KV ownership disagree."""
+        ids = [s.seq_id for s in self.waiting] + [s.seq_id for s in self.running]
+        assert len(ids) == len(set(ids)), "a sequence is queued twice"
+        assert all(s.status is SequenceStatus.WAITING for s in self.waiting)
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running)
+        assert len(self.running) <= self.config.max_num_seqs, "more running than max_num_seqs"
+        self.allocator.check_integrity([*self.waiting, *self.running])
+
+    # --- helpers shared by the policies ---
+
+    def _admit(self, max_running: int) -> None:
+        """Move waiting sequences to running, FIFO, while slots and KV allow."""
+        while self.waiting and len(self.running) < max_running:
+            seq = self.waiting[0]
+            if not self.allocator.can_allocate(seq, seq.num_uncomputed_tokens):
+                break
+            self.waiting.popleft()
+            self.allocator.allocate(seq, seq.num_uncomputed_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def _run_to_catch_up(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        """Schedule every uncomputed token of each sequence (prompt or last sampled token)."""
+        if not seqs:
+            return None
+        counts = []
+        for seq in seqs:
+            self.allocator.allocate(seq, seq.num_uncomputed_tokens)
+            counts.append(seq.num_uncomputed_tokens)
+        return ScheduledBatch(tuple(seqs), tuple(counts))
