@@ -32,6 +32,11 @@ class KVAllocator(ABC):
     def num_free_blocks(self) -> int: ...
 
     @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens one sequence can ever hold in this pool."""
+        return self.num_blocks * self.block_size
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
@@ -63,6 +68,10 @@ class ContiguousAllocator(KVAllocator):
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def max_seq_tokens(self) -> int:
+        return self.block_size
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         if seq.num_computed_tokens + num_new_tokens > self.block_size:

@@ -7,9 +7,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.allocator import ContiguousAllocator, KVAllocator
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalText
+from engine.kv_budget import build_allocator, default_budget_bytes, plan_kv
 from engine.outputs import SampledToken, StepStats, TokenEvent
 from engine.sampling_params import RequestError, SamplingParams
 from engine.scheduler import SCHEDULERS, ScheduledBatch, Scheduler
@@ -57,14 +57,17 @@ class LLMEngine:
         tokenizer = AutoTokenizer.from_pretrained(
             config.model, trust_remote_code=config.trust_remote_code, local_files_only=True)
         max_model_len = _max_model_len(config, spec.max_position_embeddings)
-        allocator = build_allocator(config, max_model_len)
+        plan = plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype),
+                       default_budget_bytes(device.type, config.gpu_memory_utilization))
+        allocator = build_allocator(config, plan)
         scheduler = SCHEDULERS[config.batching](config, allocator)
-        runner = ModelRunner(model, spec, device, dtype, allocator.num_blocks, allocator.block_size)
+        runner = ModelRunner(model, spec, device, dtype, plan.num_blocks, plan.block_size)
         eos = _eos_token_ids(Path(config.model), tokenizer)
-        logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d, %d KV blocks of "
-                    "%d tokens (%.1f MiB)", spec.architecture, device, dtype, config.batching,
-                    max_model_len, allocator.num_blocks, allocator.block_size,
-                    allocator.num_blocks * allocator.block_size * spec.kv_bytes_per_token / 2**20)
+        logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
+                    device, dtype, config.batching, max_model_len)
+        logger.info("KV pool: %d blocks of %d tokens, %.1f MiB (sized by %s); at most %d "
+                    "sequences of max_model_len at once", plan.num_blocks, plan.block_size,
+                    plan.pool_bytes / 2**20, plan.sized_by, plan.max_concurrency)
         return cls(config, tokenizer, scheduler, runner, max_model_len, spec.vocab_size, eos)
 
     # --- requests ---
@@ -74,9 +77,12 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("inputs must not be empty (0 tokens after tokenization)", "inputs")
-        if n + params.max_new_tokens > self.max_model_len:
+        limit, name = self.max_model_len, "max_model_len"
+        if self.scheduler.allocator.max_seq_tokens < limit:
+            limit, name = self.scheduler.allocator.max_seq_tokens, "the whole KV pool"
+        if n + params.max_new_tokens > limit:
             raise RequestError(
-                f"inputs tokens + max_new_tokens must be <= {self.max_model_len} (max_model_len). "
+                f"inputs tokens + max_new_tokens must be <= {limit} ({name}). "
                 f"Given: {n} inputs tokens and {params.max_new_tokens} max_new_tokens", "inputs")
         if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
             raise RequestError(f"token ids must be in [0, {self.vocab_size})", "inputs")
@@ -170,13 +176,6 @@ class LLMEngine:
             del self._ids[req.request_id]
         return TokenEvent(req.request_id, token_id, text, logprob, seq.num_prompt_tokens,
                           seq.num_output_tokens, reason, error)
-
-
-def build_allocator(config: EngineConfig, max_model_len: int) -> KVAllocator:
-    """The strategy's KV allocator: one max_model_len region per running sequence."""
-    if config.batching == "paged":
-        raise ValueError("batching=paged needs the paged block manager, which this build lacks")
-    return ContiguousAllocator(num_slots=config.max_num_seqs, max_model_len=max_model_len)
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

@@ -1,0 +1,132 @@
+"""BlockManager: paged KV blocks on demand, reference counts and an optional prefix cache.
+
+Pure Python. A block holds `block_size` consecutive tokens of one or more sequences (shared
+only through the prefix cache). Block states:
+    free       ref 0, no hash             in `_free`
+    cached     ref 0, hashed, reusable    in `_evictable` (LRU: evicted oldest first)
+    used       ref > 0                    owned by every sequence whose table lists it
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+
+from engine.allocator import KVAllocator
+from engine.sequence import Sequence
+
+_BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash, this block's token ids)
+
+
+class BlockManager(KVAllocator):
+    """Paged allocator: blocks are taken as sequences grow and returned when they end."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        super().__init__(num_blocks=num_blocks, block_size=block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._hash_of: dict[int, int] = {}  # block id -> hash of its key
+        self._key_of: dict[int, _BlockKey] = {}
+        self._block_by_hash: dict[int, int] = {}
+        # seq id -> (leading blocks already hashed, hash of the last of them)
+        self._hashed: dict[int, tuple[int, int | None]] = {}
+        self.prefix_queries = 0  # prompt blocks looked up
+        self.prefix_hits = 0  # of which were found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        need = self.blocks_needed(seq, num_new_tokens)
+        assert need <= self.num_free_blocks, f"no KV room for {seq}"
+        for _ in range(need):
+            block = self._take_free_block()
+            self._ref[block] = 1
+            seq.block_table.append(block)
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks go first so that LRU eviction drops a prefix's end before its start.
+        for block in reversed(seq.block_table):
+            self._ref[block] -= 1
+            assert self._ref[block] >= 0
+            if self._ref[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        seq.block_table = []
+        self._hashed.pop(seq.seq_id, None)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Share cached blocks of a new sequence's prompt; returns tokens now computed.
+
+        At least one prompt token is always left to compute: its logits give the first sample.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        parent = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            parent = hash(key)
+            block = self._block_by_hash.get(parent)
+            self.prefix_queries += 1
+            if block is None or self._key_of[block] != key:
+                break
+            self.prefix_hits += 1
+            if self._ref[block] == 0:
+                del self._evictable[block]
+            self._ref[block] += 1
+            seq.block_table.append(block)
+        matched = len(seq.block_table)
+        seq.num_computed_tokens = matched * self.block_size
+        last_hash = self._hash_of[seq.block_table[-1]] if matched else None
+        self._hashed[seq.seq_id] = (matched, last_hash)
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's newly completed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        done, parent = self._hashed.get(seq.seq_id, (0, None))
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i in range(done, full):
+            block = seq.block_table[i]
+            key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            parent = hash(key)
+            # An identical block may be cached already (same prefix computed twice): keep that one.
+            if parent not in self._block_by_hash and block not in self._hash_of:
+                self._block_by_hash[parent] = block
+                self._hash_of[block] = parent
+                self._key_of[block] = key
+        if full > done:
+            self._hashed[seq.seq_id] = (full, parent)
+
+    def check_integrity(self, live_seqs: Iterable[Sequence]) -> None:
+        refs = [0] * self.num_blocks
+        for seq in live_seqs:
+            for block in seq.block_table:
+                refs[block] += 1
+        assert refs == self._ref, "reference counts disagree with the block tables"
+        free, cached = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is free twice"
+        assert not free & cached, "a block is both free and cached"
+        assert all(self._ref[b] == 0 for b in free | cached), "a free block is referenced"
+        used = sum(1 for r in self._ref if r > 0)
+        assert len(free) + len(cached) + used == self.num_blocks, "free + cached + used != total"
+        assert all(b in self._hash_of for b in cached), "an unhashed block is cached"
+        assert {v: k for k, v in self._block_by_hash.items()} == self._hash_of, "hash maps differ"
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._evictable.popitem(last=False)
+        del self._block_by_hash[self._hash_of.pop(block)]
+        del self._key_of[block]
+        return block

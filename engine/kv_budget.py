@@ -1,0 +1,75 @@
+"""How big the KV pool is: one memory budget for every strategy, turned into blocks."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.allocator import ContiguousAllocator, KVAllocator
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_FRACTION = 0.3  # of available RAM, when no budget is configured
+GPU_ACTIVATION_RESERVE = 0.05  # of total GPU memory kept for activations and the allocator
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The pool's shape and what it means for concurrency."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_concurrency: int  # sequences of max_model_len tokens that fit at once
+    sized_by: str
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+
+def plan_kv(config: EngineConfig, max_model_len: int, bytes_per_token: int,
+            default_budget_bytes: int) -> KVPlan:
+    """Size the pool from num_kv_blocks, kv_cache_memory or the device default, in that order.
+
+    Contiguous strategies reserve max_model_len tokens per sequence, so the same budget holds
+    fewer of them; nobody gets more than max_num_seqs full-length sequences' worth.
+    """
+    if config.num_kv_blocks is not None:
+        tokens, sized_by = config.num_kv_blocks * config.block_size, "num_kv_blocks"
+    elif config.kv_cache_memory is not None:
+        tokens, sized_by = config.kv_cache_memory // bytes_per_token, "kv_cache_memory"
+    else:
+        tokens, sized_by = default_budget_bytes // bytes_per_token, "device default"
+    tokens = min(tokens, config.max_num_seqs * max_model_len)
+    block_size = max_model_len if config.is_contiguous else config.block_size
+    num_blocks = tokens // block_size
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV budget ({sized_by}) holds {tokens} tokens, less than one block of "
+            f"{block_size} tokens ({'max_model_len' if config.is_contiguous else 'block_size'}); "
+            "raise kv_cache_memory / num_kv_blocks or lower max_model_len")
+    max_concurrency = num_blocks * block_size // max_model_len
+    return KVPlan(num_blocks, block_size, bytes_per_token, max_concurrency, sized_by)
+
+
+def build_allocator(config: EngineConfig, plan: KVPlan) -> KVAllocator:
+    """The strategy's allocator over the planned pool."""
+    if config.is_contiguous:
+        return ContiguousAllocator(num_slots=plan.num_blocks, max_model_len=plan.block_size)
+    return BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
+
+
+def default_budget_bytes(device_type: str, gpu_memory_utilization: float) -> int:
+    """KV bytes to use when nothing is configured: a share of free RAM, or of the GPU."""
+    if device_type == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        target = total * (gpu_memory_utilization - GPU_ACTIVATION_RESERVE)
+        return max(0, int(min(free, target - (total - free))))
+    import psutil
+
+    return int(psutil.virtual_memory().available * CPU_KV_FRACTION)

@@ -1,0 +1,144 @@
+"""Paged batching: stall-free scheduling with chunked prefill (Sarathi-Serve) over paged KV."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.outputs import SampledToken
+from engine.scheduler.base import ScheduledBatch, Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKEN_BUDGET = 512  # tokens per step when max_rolling_batch_prefill_tokens is unset
+
+
+class PagedBatching(Scheduler):
+    """Each step: every running decode first, then partial prefills, then new requests.
+
+    Prefill tokens share the step's token budget (`max_num_batched_tokens`); a prompt longer than
+    what is left is prefilled in chunks over several steps, so decodes never stall behind it.
+    When blocks run out, the youngest running sequence is preempted: its KV is freed and it is
+    re-queued ahead of new arrivals, keeping its tokens to recompute.
+    """
+
+    def __init__(self, config: EngineConfig, allocator: BlockManager,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(config, allocator, now)
+        self.block_manager = allocator
+        self.token_budget = config.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET
+        self.chunked = config.enable_chunked_prefill
+
+    def schedule(self) -> ScheduledBatch | None:
+        picked: dict[Sequence, int] = {}
+        budget = self.token_budget
+        preemptions_before = self.num_preemptions
+        for seq in [s for s in self.running if _is_decode(s)]:
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, picked):
+                picked[seq] = 1
+                budget -= 1
+        for seq in [s for s in self.running if not _is_decode(s)]:
+            n = self._prefill_chunk(seq, budget, picked)
+            if n:
+                self.block_manager.allocate(seq, n)
+                picked[seq] = n
+                budget -= n
+        if self.num_preemptions == preemptions_before:  # admitting now would only thrash
+            self._admit_waiting(budget, picked)
+        if not picked:
+            return None
+        return ScheduledBatch(tuple(picked), tuple(picked.values()))
+
+    def postprocess(self, batch: ScheduledBatch,
+                    samples: list[SampledToken | None]) -> list[Sequence]:
+        finished = super().postprocess(batch, samples)
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
+        return finished
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.cache_full_blocks(seq)  # its computed blocks outlive it in the cache
+        super().finish(seq, reason)
+
+    # --- policy pieces ---
+
+    def _reserve(self, seq: Sequence, picked: dict[Sequence, int]) -> bool:
+        """Give a running decode its next slot, preempting younger sequences if blocks run out."""
+        if not self._make_room(seq, 1, picked):
+            return False
+        self.block_manager.allocate(seq, 1)
+        return True
+
+    def _prefill_chunk(self, seq: Sequence, budget: int, picked: dict[Sequence, int]) -> int:
+        """Prompt tokens of a running `seq` to compute now, preempting younger ones for room."""
+        n = self._wanted_chunk(seq, budget, picked)
+        if n == 0 or not self._make_room(seq, 1 if self.chunked else n, picked):
+            return 0
+        return min(n, self._free_slots(seq))
+
+    def _wanted_chunk(self, seq: Sequence, budget: int, picked: dict[Sequence, int]) -> int:
+        remaining = seq.num_uncomputed_tokens
+        if self.chunked:
+            return max(0, min(remaining, budget))
+        # Unchunked: a whole prompt, and one long prompt may exceed the budget (it then stalls
+        # the decodes of this step: the cost chunking removes).
+        prefilling = any(n > 1 for n in picked.values())
+        return remaining if remaining <= budget or not prefilling else 0
+
+    def _make_room(self, seq: Sequence, tokens: int, picked: dict[Sequence, int]) -> bool:
+        """Preempt the youngest unpicked sequences until `tokens` fit; False if `seq` went."""
+        while self._free_slots(seq) < tokens:
+            victims = [s for s in self.running if s not in picked and s is not seq]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _free_slots(self, seq: Sequence) -> int:
+        """Token slots `seq` can still write: the rest of its own blocks plus every free block."""
+        own = len(seq.block_table) * self.block_size - seq.num_computed_tokens
+        return own + self.block_manager.num_free_blocks * self.block_size
+
+    def _admit_waiting(self, budget: int, picked: dict[Sequence, int]) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            self.block_manager.match_prefix(seq)
+            n = self._wanted_chunk(seq, budget, picked)
+            n = n if self.chunked or n <= self._free_slots(seq) else 0
+            n = min(n, self._free_slots(seq))
+            if n == 0:
+                self.block_manager.free(seq)  # give back the prefix blocks it just shared
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            picked[seq] = n
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        logger.debug("preempted sequence %d (%d tokens) to recompute later", seq.seq_id,
+                     seq.num_tokens)
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+
+def _is_decode(seq: Sequence) -> bool:
+    return seq.num_output_tokens > 0 and seq.num_uncomputed_tokens == 1
