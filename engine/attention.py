@@ -1,0 +1,77 @@
+"""Attention over the KV pool, addressed by block tables. The pure-PyTorch reference is the truth.
+
+Pool layout per layer: k_cache, v_cache [num_slots, num_kv_heads, head_dim], where
+    slot = block_table[pos // block_size] * block_size + pos % block_size.
+The pool is zero-initialised, so padded gathers read finite values that the mask then zeroes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """One sequence computing more than one token this step (a prompt or a chunk of it)."""
+
+    token_start: int  # first of its tokens in the packed batch
+    num_tokens: int
+    kv_slots: torch.Tensor  # [context_len] int64: slots of positions 0..context_len-1
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool, None = plain causal (no prefix)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs about one step; built once by the runner, read by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    decode_token_idx: torch.Tensor | None  # [num_decodes] int64: packed rows with one query
+    decode_kv_slots: torch.Tensor | None  # [num_decodes, max_context] int64, padded
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool: key visible
+    prefills: tuple[PrefillRow, ...]
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write this step's keys and values ([num_tokens, num_kv_heads, head_dim]) into the pool."""
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] → out [num_tokens, num_heads, head_dim]."""
+    out = torch.empty_like(q)
+    if meta.decode_token_idx is not None:
+        # One batched SDPA for every single-query row, over gathered, padded KV.
+        qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # [B, H, 1, D]
+        kd = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [B, Hkv, T, D]
+        vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                            enable_gqa=True)
+        out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
+    for row in meta.prefills:
+        end = row.token_start + row.num_tokens
+        qp = q[row.token_start:end].transpose(0, 1)  # [H, n, D]
+        kp = k_cache[row.kv_slots].transpose(0, 1)  # [Hkv, context, D]
+        vp = v_cache[row.kv_slots].transpose(0, 1)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale,
+                                            is_causal=row.mask is None, enable_gqa=True)
+        out[row.token_start:end] = op.transpose(0, 1)
+    return out
+
+
+def causal_mask(num_queries: int, context_len: int, sliding_window: int | None,
+                device: torch.device) -> torch.Tensor | None:
+    """[num_queries, context_len] bool for queries at the last positions; None if plain causal."""
+    if num_queries == context_len and sliding_window is None:
+        return None
+    q_pos = torch.arange(context_len - num_queries, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask

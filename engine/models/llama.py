@@ -1,0 +1,165 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA, SwiGLU; packed tokens."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, reference_attention, store_kv
+from engine.models.loader import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: computed in float32 and cast back, exactly as transformers does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies for rope types default, linear and llama3."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    raise ValueError(f"rope type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim]; cos/sin [N, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, config: dict) -> None:
+        super().__init__()
+        self.spec = spec
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        bias = config.get("attention_bias", spec.architecture == "Qwen2ForCausalLM")
+        self.qkv_proj = nn.Linear(spec.hidden_size, q + 2 * kv, bias=bias)
+        self.o_proj = nn.Linear(q, spec.hidden_size, bias=config.get("attention_bias", False))
+        inter, mlp_bias = config["intermediate_size"], config.get("mlp_bias", False)
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=mlp_bias)
+        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=mlp_bias)
+        self.split = [q, kv, kv]
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        s = self.spec
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split(self.split, -1)
+        q = apply_rope(q.view(-1, s.num_heads, s.head_dim), cos, sin)  # [N, H, D]
+        k = apply_rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)  # [N, Hkv, D]
+        store_kv(k, v.view(-1, s.num_kv_heads, s.head_dim), k_cache, v_cache, meta.slot_mapping)
+        attn = reference_attention(q, k_cache, v_cache, meta, self.scale)
+        x = x + self.o_proj(attn.flatten(1))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids, positions, meta, kv_cache) → hidden; compute_logits(hidden) → fp32."""
+
+    def __init__(self, config: dict, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, config) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
+            spec.hidden_size, spec.vocab_size, bias=False)
+        # NOTE: kept float32 whatever the model dtype, like transformers' rotary embedding.
+        freqs = torch.outer(torch.arange(spec.max_position_embeddings, dtype=torch.float32),
+                            rope_inv_freq(config, spec.head_dim))
+        self.register_buffer("rope_cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)
+        self.register_buffer("rope_sin", torch.cat([freqs, freqs], -1).sin(), persistent=False)
+
+    @staticmethod
+    def spec_from_config(arch: str, config: dict) -> ModelSpec:
+        heads = config["num_attention_heads"]
+        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        return ModelSpec(
+            architecture=arch, num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"], num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=config["vocab_size"],
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            sliding_window=window)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [N]; kv_cache [layers, 2, slots, Hkv, D] → hidden [N, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, cos, sin, meta, layer_cache[0], layer_cache[1])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] → logits [S, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up into one matmul each."""
+        own = self.state_dict()
+        for name, tensor in state.items():
+            name = name.removeprefix("model.")
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target, offset = _fused_target(name, self.spec, own)
+            if target not in own:
+                raise ValueError(f"unexpected weight {name} in checkpoint")
+            own[target].narrow(0, offset, tensor.shape[0]).copy_(tensor)
+        self.load_state_dict(own)
+
+
+def _fused_target(name: str, spec: ModelSpec, own: dict) -> tuple[str, int]:
+    """Where an HF tensor lands: (our parameter name, row offset into it)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    parts = {"self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", q),
+             "self_attn.v_proj": ("qkv_proj", q + kv), "self_attn.o_proj": ("o_proj", 0),
+             "mlp.gate_proj": ("gate_up_proj", 0), "mlp.down_proj": ("down_proj", 0)}
+    for hf, (ours, offset) in parts.items():
+        if f".{hf}." in name:
+            return name.replace(hf, ours), offset
+    if ".mlp.up_proj." in name:
+        layer = name.split(".")[1]
+        inter = own[f"layers.{layer}.gate_up_proj.weight"].shape[0] // 2
+        return name.replace("mlp.up_proj", "gate_up_proj"), inter
+    return name, 0

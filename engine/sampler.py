@@ -1,0 +1,65 @@
+"""Batched sampling with per-sequence parameters; greedy rows take one argmax."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import Sequence
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's seed space
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    """logits [S, vocab] float32, one row per sequence → (token ids, their log-probabilities).
+
+    Processors run in transformers' order: repetition penalty, min-new-tokens EOS mask, then
+    temperature, top-k and top-p before drawing, so greedy rows equal `generate` exactly.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)  # [S, vocab] of the raw model distribution
+    processed = _apply_penalties(logits, seqs)
+    chosen = processed.argmax(dim=-1)  # [S]
+    for i, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            chosen[i] = _draw(processed[i], seq)
+    token_ids = chosen.tolist()
+    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    return token_ids, picked
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    out = logits
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        min_tokens_active = (not p.ignore_eos and seq.num_output_tokens < p.min_new_tokens
+                             and seq.eos_token_ids)
+        if p.repetition_penalty == 1.0 and not min_tokens_active:
+            continue
+        if out is logits:
+            out = logits.clone()
+        row = out[i]
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(seq.token_ids, device=row.device).unique()
+            scores = row[ids]
+            row[ids] = torch.where(scores < 0, scores * p.repetition_penalty,
+                                   scores / p.repetition_penalty)
+        if min_tokens_active:
+            row[list(seq.eos_token_ids)] = float("-inf")
+    return out
+
+
+def _draw(row: torch.Tensor, seq: Sequence) -> int:
+    """One seeded draw from temperature / top-k / top-p of one row ([vocab] float32)."""
+    p = seq.params
+    row = row / p.temperature
+    if 0 < p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative <= 1 - p.top_p
+        remove[-1] = False  # always keep the most likely token
+        row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    generator = torch.Generator(device=row.device)
+    generator.manual_seed((seq.sampling_seed * _SEED_MIX + seq.num_output_tokens) % 2**63)
+    return int(torch.multinomial(row.softmax(-1), 1, generator=generator))

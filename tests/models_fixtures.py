@@ -1,0 +1,72 @@
+"""Tiny random-weight models and a locally trained tokenizer, built offline for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+VOCAB_SIZE = 320
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1 (bos), 2 (eos)
+CORPUS = [
+    "The capital of France is Paris. The capital of Japan is Tokyo.",
+    "Once upon a time there was a little turtle who lived by the sea.",
+    "Write a program to add two numbers in python: print(1 + 2)",
+    "Grüße aus Köln! Café, naïve, 東京, 🙂 and other multi-byte text.",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+ARCH_CONFIGS = {
+    "llama": (LlamaConfig, {"num_key_value_heads": 2}),
+    "llama_tied_llama3": (LlamaConfig, {
+        "num_key_value_heads": 1, "tie_word_embeddings": True,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama_linear": (LlamaConfig, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "mistral": (MistralConfig, {"num_key_value_heads": 2, "sliding_window": 12}),
+    "qwen2": (Qwen2Config, {"num_key_value_heads": 2}),
+}
+
+
+def build_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few sentences (multi-byte safe), saved to path."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                   bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A 2-layer random model of the given family plus tokenizer in `path`; returns path."""
+    config_cls, arch_overrides = ARCH_CONFIGS[arch]
+    tokenizer = build_tokenizer(path)
+    config = config_cls(
+        vocab_size=max(VOCAB_SIZE, len(tokenizer)), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, **{**arch_overrides, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger than the 0.02 default init, so logits are far from ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
