@@ -1,0 +1,64 @@
+"""Which model folder to serve: --model-dir, option.model_id, /opt/ml/model or the default model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+from engine.models.loader import PICKLE_SUFFIXES
+
+logger = logging.getLogger(__name__)
+
+SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def check_model_dir(path: Path) -> Path:
+    """Raise ValueError unless `path` holds config.json and safetensors weights."""
+    if not path.is_dir():
+        raise ValueError(f"model folder {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model folder {path} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        why = f" (it has pickle checkpoints: {', '.join(pickles[:3])})" if pickles else ""
+        raise ValueError(f"model folder {path} has no *.safetensors weights{why}; only "
+                         "safetensors are loaded because unpickling can run arbitrary code")
+    return path
+
+
+def resolve_model_dir(model_dir: Path | None, model_id: str | None, cache_dir: Path | None,
+                      root: Path = SAGEMAKER_MODEL_DIR) -> Path:
+    """The folder to load, in LMI's order; the embedded default model when nothing is given."""
+    if model_dir is not None:
+        return check_model_dir(model_dir)
+    if model_id:
+        return check_model_dir(_local_model_id(model_id, root))
+    if is_model_dir(root):
+        return root
+    from handler.default_model import ensure_default_model
+
+    logger.info("no model given and %s holds none: serving the embedded default model", root)
+    return ensure_default_model(cache_dir)
+
+
+def _local_model_id(model_id: str, root: Path) -> Path:
+    if model_id.startswith("s3://"):
+        raise ValueError(f"option.model_id={model_id}: downloading from S3 is not available in "
+                         "this build; copy the model to a local folder or /opt/ml/model")
+    path = Path(model_id)
+    if path.is_absolute():
+        return path  # an operator's deliberate choice, like LMI's local paths
+    resolved = Path(os.path.realpath(root / path))
+    if not resolved.is_relative_to(os.path.realpath(root)):
+        raise ValueError(f"option.model_id={model_id} escapes the model directory {root}")
+    if not resolved.exists() and _HUB_ID.match(model_id):
+        raise ValueError(f"option.model_id={model_id} looks like a model hub id, but model hubs "
+                         "are not reachable from this server; use a local path")
+    return resolved

@@ -1,0 +1,190 @@
+"""Resolved settings → ServingConfig: strategy selection, typed values, one-line errors."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import EngineConfig
+from handler.properties import (
+    ENGINE_KEYS,
+    IGNORED_KEYS,
+    SERVER_KEYS,
+    ConfigError,
+    Setting,
+    model_id_setting,
+)
+
+logger = logging.getLogger(__name__)
+
+NATIVE_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+PAGED_VALUES = {"vllm", "lmi-dist", "paged"}
+ROLLING_VALUES = {"disable", "auto", "scheduler"} | PAGED_VALUES
+DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
+          "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024,
+              "mib": 1024**2, "gib": 1024**3}
+DEFAULT_MAX_REQUEST_BYTES = 6 * 1024 * 1024  # SageMaker's InvokeEndpoint body limit
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """What the server runs: the engine's config plus the HTTP edge's limits."""
+
+    engine: EngineConfig
+    job_queue_size: int = 1000
+    predict_timeout: float = 120.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    model_id: str | None = None
+    strategy_reason: str = "default"
+    settings: Mapping[str, Setting] = field(default_factory=dict, compare=False)
+
+    def describe(self) -> str:
+        """The resolved configuration on one line, for the start-up log."""
+        e = self.engine
+        parts = [f"strategy={e.batching} ({self.strategy_reason})", f"model={e.model}",
+                 f"max_num_seqs={e.max_num_seqs}", f"max_model_len={e.max_model_len or 'model'}",
+                 f"dtype={e.dtype}", f"device={e.device}", f"job_queue_size={self.job_queue_size}",
+                 f"predict_timeout={self.predict_timeout:g}s"]
+        if e.batching == "dynamic":
+            parts.append(f"max_batch_delay={e.max_batch_delay_ms:g}ms")
+        if e.batching == "paged":
+            parts += [f"block_size={e.block_size}", f"token_budget={e.max_num_batched_tokens}",
+                      f"chunked_prefill={e.enable_chunked_prefill}",
+                      f"prefix_caching={e.enable_prefix_caching}"]
+        sources = ", ".join(f"{k}={s.value} [{s.source}]" for k, s in sorted(self.settings.items()))
+        return "; ".join(parts) + (f" | from: {sources}" if sources else "")
+
+
+class _Reader:
+    """Typed access to settings; every failure names key, value, source and what is allowed."""
+
+    def __init__(self, settings: Mapping[str, Setting]) -> None:
+        self.settings = settings
+
+    def raw(self, key: str) -> str | None:
+        s = self.settings.get(key)
+        return s.value.strip() if s is not None else None
+
+    def fail(self, key: str, allowed: str):
+        s = self.settings[key]
+        raise ConfigError(f"invalid {key}={s.value!r} (from {s.source}): expected {allowed}")
+
+    def int(self, key: str, default: int | None, minimum: int = 1) -> int | None:
+        value = self.raw(key)
+        if value is None:
+            return default
+        if not re.fullmatch(r"[+-]?\d+", value) or int(value) < minimum:
+            self.fail(key, f"an integer >= {minimum}")
+        return int(value)
+
+    def float(self, key: str, default: float, low: float, high: float | None = None) -> float:
+        value = self.raw(key)
+        if value is None:
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not (number >= low and (high is None or number <= high)):
+            self.fail(key, f"a number in [{low:g}, {'inf' if high is None else f'{high:g}'}]")
+        return number
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.raw(key)
+        if value is None:
+            return default
+        if value.lower() not in ("true", "false"):
+            self.fail(key, "true or false")
+        return value.lower() == "true"
+
+    def choice(self, key: str, default: str, allowed: Mapping[str, str] | set[str]) -> str:
+        value = self.raw(key)
+        if value is None:
+            return default
+        if value.lower() not in allowed:
+            self.fail(key, f"one of {', '.join(sorted(allowed))}")
+        return allowed[value.lower()] if isinstance(allowed, Mapping) else value.lower()
+
+    def size(self, key: str) -> int | None:
+        value = self.raw(key)
+        if value is None:
+            return None
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", value)
+        if m is None or m.group(2).lower() not in SIZE_UNITS or float(m.group(1)) <= 0:
+            self.fail(key, "a positive size in bytes, optionally with KiB/MiB/GiB or KB/MB/GB")
+        return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+
+
+def select_strategy(r: _Reader, batch_size: int, architectures: list[str]) -> tuple[str, str]:
+    """(strategy, why) from rolling_batch, batch_size and the model's architecture."""
+    rolling = r.choice("option.rolling_batch", "disable", ROLLING_VALUES)
+    if rolling != "disable" and batch_size > 1:
+        s = r.settings["batch_size"]
+        raise ConfigError(f"invalid batch_size={s.value!r} (from {s.source}): dynamic batching "
+                          f"(batch_size > 1) cannot be combined with option.rolling_batch="
+                          f"{rolling}; remove one of them")
+    why = f"option.rolling_batch={rolling}"
+    if rolling == "disable":
+        return ("none", "batch_size=1") if batch_size == 1 else ("dynamic", "batch_size > 1")
+    if rolling == "scheduler":
+        return "continuous", why
+    if rolling == "lmi-dist" and not r.bool("option.paged_attention", True):
+        return "continuous", why + " with option.paged_attention=false"
+    if rolling in PAGED_VALUES:
+        return "paged", why
+    if any(a in NATIVE_ARCHITECTURES for a in architectures):
+        return "paged", why + " on a native architecture"
+    return "none", why + f" on {architectures or 'an unknown architecture'}: not native"
+
+
+def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
+                         architectures: list[str]) -> ServingConfig:
+    """Validate every setting and pick the strategy; raises ConfigError on the first bad one."""
+    _warn_unknown(settings)
+    r = _Reader(settings)
+    batch_size = r.int("batch_size", 1)
+    strategy, why = select_strategy(r, batch_size, architectures)
+    tp = r.raw("option.tensor_parallel_degree")
+    if tp is not None and tp.lower() not in ("1", "max"):
+        r.fail("option.tensor_parallel_degree", "1 or max (this engine runs on one device)")
+    max_num_seqs = {"none": 1, "dynamic": batch_size}.get(
+        strategy, r.int("option.max_rolling_batch_size", 32))
+    try:
+        engine = EngineConfig(
+            model=str(model_dir), batching=strategy, max_num_seqs=max_num_seqs,
+            max_batch_delay_ms=r.float("max_batch_delay", 100.0, 0.0),
+            max_model_len=r.int("option.max_model_len", None, 2),
+            max_num_batched_tokens=r.int("option.max_rolling_batch_prefill_tokens", None),
+            dtype=r.choice("option.dtype", "auto", DTYPES),
+            device=r.choice("option.device", "auto", {"auto", "cpu", "cuda"}),
+            block_size=r.int("option.block_size", 16),
+            enable_chunked_prefill=r.bool("option.enable_chunked_prefill", True),
+            enable_prefix_caching=r.bool("option.enable_prefix_caching", False),
+            kv_cache_memory=r.size("option.kv_cache_memory"),
+            num_kv_blocks=r.int("option.num_kv_blocks", None),
+            gpu_memory_utilization=r.float("option.gpu_memory_utilization", 0.9, 0.01, 1.0),
+            seed=r.int("option.seed", 0, 0),
+            trust_remote_code=r.bool("option.trust_remote_code", False))
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"invalid resolved configuration: {err}") from err
+    return ServingConfig(
+        engine=engine, job_queue_size=r.int("job_queue_size", 1000, 0),
+        predict_timeout=r.float("option.predict_timeout", 120.0, 0.001),
+        max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
+        model_id=model_id_setting(settings), strategy_reason=why, settings=dict(settings))
+
+
+def _warn_unknown(settings: Mapping[str, Setting]) -> None:
+    known = SERVER_KEYS | {f"option.{k}" for k in ENGINE_KEYS}
+    ignored = IGNORED_KEYS | {k.lower() for k in IGNORED_KEYS}
+    for key, s in sorted(settings.items()):
+        if key in ignored:
+            logger.info("ignoring %s=%s (%s): not used by batchyard", key, s.value, s.source)
+        elif key not in known:
+            logger.warning("unknown key %s=%s (%s) is ignored", key, s.value, s.source)

@@ -1,0 +1,131 @@
+"""serving.properties parsing, precedence, strategy selection and one-line errors."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from handler.properties import ConfigError, collect_settings, parse_properties
+from handler.serving_config import build_serving_config
+
+LLAMA = ["LlamaForCausalLM"]
+PROPERTIES_D = Path(__file__).resolve().parent.parent / "serving.properties.d"
+
+
+def resolve(text: str = "", env: dict | None = None, arch=LLAMA, tmp_path: Path | None = None):
+    settings = dict(collect_settings(None, env or {}))
+    settings.update(parse_properties(text, "serving.properties"))
+    return build_serving_config(settings, Path("/models/m"), arch)
+
+
+def test_java_properties_syntax() -> None:
+    """=, :, whitespace separators, comments, continuation and escapes."""
+    text = ("# comment\n! also a comment\n\nengine = Python\noption.dtype: fp32\n"
+            "batch_size 4\noption.model_id=/opt/ml/\\\n    model\nkey\\=x=a\\tb\n")
+    s = parse_properties(text, "f")
+    assert s["engine"].value == "Python" and s["option.dtype"].value == "fp32"
+    assert s["batch_size"].value == "4" and s["option.model_id"].value == "/opt/ml/model"
+    assert s["key=x"].value == "a\tb"
+    assert s["option.model_id"].source == "f line 7"
+
+
+def test_precedence_default_serving_option_file() -> None:
+    """Built-in < SERVING_* < OPTION_* / aliases < the properties file."""
+    assert resolve().job_queue_size == 1000
+    assert resolve(env={"SERVING_JOB_QUEUE_SIZE": "5"}).job_queue_size == 5
+    env = {"SERVING_BATCH_SIZE": "4", "OPTION_ROLLING_BATCH": "scheduler"}
+    with pytest.raises(ConfigError):  # batch_size > 1 with rolling batch from env
+        resolve(env=env)
+    cfg = resolve("option.max_rolling_batch_size=7",
+                  env={"OPTION_ROLLING_BATCH": "scheduler", "OPTION_MAX_ROLLING_BATCH_SIZE": "3"})
+    assert cfg.engine.max_num_seqs == 7
+    assert resolve(env={"OPTION_ROLLING_BATCH": "scheduler",
+                        "OPTION_MAX_ROLLING_BATCH_SIZE": "3"}).engine.max_num_seqs == 3
+
+
+def test_tgi_aliases_apply_only_when_lmi_variable_unset() -> None:
+    env = {"OPTION_ROLLING_BATCH": "scheduler", "MAX_BATCH_SIZE": "9",
+           "MAX_CONCURRENT_REQUESTS": "11", "HF_MODEL_ID": "/m"}
+    cfg = resolve(env=env)
+    assert (cfg.engine.max_num_seqs, cfg.job_queue_size, cfg.model_id) == (9, 11, "/m")
+    cfg = resolve(env={**env, "OPTION_MAX_ROLLING_BATCH_SIZE": "4"})
+    assert cfg.engine.max_num_seqs == 4
+    assert "env HF_MODEL_ID" in cfg.settings["option.model_id"].source
+
+
+@pytest.mark.parametrize(("text", "arch", "strategy"), [
+    ("", LLAMA, "none"),
+    ("batch_size=8", LLAMA, "dynamic"),
+    ("option.rolling_batch=disable\nbatch_size=8", LLAMA, "dynamic"),
+    ("option.rolling_batch=scheduler", LLAMA, "continuous"),
+    ("rolling_batch=scheduler", LLAMA, "continuous"),
+    ("option.rolling_batch=vllm", LLAMA, "paged"),
+    ("option.rolling_batch=lmi-dist", LLAMA, "paged"),
+    ("option.rolling_batch=lmi-dist\noption.paged_attention=false", LLAMA, "continuous"),
+    ("option.rolling_batch=paged", LLAMA, "paged"),
+    ("option.rolling_batch=auto", LLAMA, "paged"),
+    ("option.rolling_batch=auto", ["GPT2LMHeadModel"], "none"),
+])
+def test_strategy_selection(text, arch, strategy) -> None:
+    assert resolve(text, arch=arch).engine.batching == strategy
+
+
+def test_max_num_seqs_follows_the_strategy() -> None:
+    assert resolve("").engine.max_num_seqs == 1
+    assert resolve("batch_size=6").engine.max_num_seqs == 6
+    assert resolve("option.rolling_batch=scheduler").engine.max_num_seqs == 32
+
+
+def test_rolling_batch_with_batch_size_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="batch_size='4'.*cannot be combined"):
+        resolve("batch_size=4\noption.rolling_batch=scheduler")
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("option.max_rolling_batch_size=abc\noption.rolling_batch=scheduler",
+     "option.max_rolling_batch_size='abc'"),
+    ("option.dtype=int8", "option.dtype='int8'"),
+    ("max_batch_delay=-1", "max_batch_delay='-1'"),
+    ("option.rolling_batch=turbo", "option.rolling_batch='turbo'"),
+    ("option.enable_prefix_caching=yes", "option.enable_prefix_caching='yes'"),
+    ("option.tensor_parallel_degree=4", "option.tensor_parallel_degree='4'"),
+    ("option.kv_cache_memory=lots", "option.kv_cache_memory='lots'"),
+    ("option.max_model_len=0", "option.max_model_len='0'"),
+])
+def test_bad_values_name_key_value_source_and_allowed(text, key) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve(text)
+    message = str(err.value)
+    assert key in message and "serving.properties line" in message and "expected" in message
+    assert "\n" not in message
+
+
+def test_sizes_and_types() -> None:
+    cfg = resolve("option.rolling_batch=paged\noption.kv_cache_memory=1.5GiB\n"
+                  "option.dtype=bf16\noption.max_request_size=2MB\noption.predict_timeout=9.5")
+    assert cfg.engine.kv_cache_memory == int(1.5 * 2**30)
+    assert cfg.engine.dtype == "bfloat16" and cfg.max_request_bytes == 2_000_000
+    assert cfg.predict_timeout == 9.5
+
+
+def test_unknown_keys_warn_and_lmi_keys_are_ignored(caplog) -> None:
+    with caplog.at_level(logging.INFO):
+        resolve("engine=Python\noption.entryPoint=djl_python.huggingface\noption.flux=1")
+    assert any("unknown key option.flux" in r.message and r.levelno == logging.WARNING
+               for r in caplog.records)
+    assert any("ignoring engine" in r.message for r in caplog.records)
+
+
+def test_describe_lists_every_value_and_source() -> None:
+    line = resolve("option.rolling_batch=scheduler").describe()
+    assert "strategy=continuous" in line and "serving.properties line 1" in line
+
+
+@pytest.mark.parametrize(("name", "strategy"), [
+    ("none", "none"), ("dynamic", "dynamic"), ("continuous", "continuous"), ("paged", "paged"),
+    ("paged-prefix", "paged"), ("paged-unchunked", "paged")])
+def test_shipped_properties_files_parse(name, strategy) -> None:
+    settings = collect_settings(PROPERTIES_D / f"{name}.properties", {})
+    assert build_serving_config(settings, Path("/m"), LLAMA).engine.batching == strategy
