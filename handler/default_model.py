@@ -26,9 +26,14 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("BATCHYARD_CACHE_DIR") or Path.home() / ".cache" / "batchyard")
 
 
+def default_model_dir(cache_dir: Path | None = None) -> Path:
+    """Where the converted default model lives (built or not)."""
+    return (cache_dir or default_cache_dir()) / "models" / MODEL_NAME
+
+
 def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """The converted folder under `cache_dir`/models, built on first use and reused afterwards."""
-    target = (cache_dir or default_cache_dir()) / "models" / MODEL_NAME
+    target = default_model_dir(cache_dir)
     if (target / COMPLETE_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -37,6 +42,8 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         build = Path(tmp) / MODEL_NAME
         convert_gguf(gguf_path(), build)
+        for path in [build, *build.rglob("*")]:  # readable by the image's non-root user
+            path.chmod(0o755 if path.is_dir() else 0o644)
         (build / COMPLETE_MARKER).write_text(MODEL_NAME + "\n")
         shutil.rmtree(target, ignore_errors=True)  # an interrupted earlier build
         os.replace(build, target)

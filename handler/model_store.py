@@ -34,18 +34,21 @@ def check_model_dir(path: Path) -> Path:
 
 
 def resolve_model_dir(model_dir: Path | None, model_id: str | None, cache_dir: Path | None,
-                      root: Path = SAGEMAKER_MODEL_DIR) -> Path:
-    """The folder to load, in LMI's order; the embedded default model when nothing is given."""
+                      root: Path = SAGEMAKER_MODEL_DIR, build_default: bool = True) -> Path:
+    """The folder to load, in LMI's order; the embedded default model when nothing is given.
+
+    With build_default=False the default model's folder is returned even if not built yet.
+    """
     if model_dir is not None:
         return check_model_dir(model_dir)
     if model_id:
         return check_model_dir(_local_model_id(model_id, root))
     if is_model_dir(root):
         return root
-    from handler.default_model import ensure_default_model
+    from handler.default_model import default_model_dir, ensure_default_model
 
     logger.info("no model given and %s holds none: serving the embedded default model", root)
-    return ensure_default_model(cache_dir)
+    return ensure_default_model(cache_dir) if build_default else default_model_dir(cache_dir)
 
 
 def _local_model_id(model_id: str, root: Path) -> Path:

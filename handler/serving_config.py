@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import EngineConfig
+from engine.backends import ATTENTION_BACKENDS
 from handler.properties import (
     ENGINE_KEYS,
     IGNORED_KEYS,
@@ -167,6 +168,8 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
             kv_cache_memory=r.size("option.kv_cache_memory"),
             num_kv_blocks=r.int("option.num_kv_blocks", None),
             gpu_memory_utilization=r.float("option.gpu_memory_utilization", 0.9, 0.01, 1.0),
+            attention_backend=r.choice("option.attention_backend", "auto",
+                                       set(ATTENTION_BACKENDS)),
             seed=r.int("option.seed", 0, 0),
             trust_remote_code=r.bool("option.trust_remote_code", False))
     except ValueError as err:

@@ -58,10 +58,11 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
     """A 2-layer random model of the given family plus tokenizer in `path`; returns path."""
     config_cls, arch_overrides = ARCH_CONFIGS[arch]
     tokenizer = build_tokenizer(path)
-    config = config_cls(
-        vocab_size=max(VOCAB_SIZE, len(tokenizer)), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, **{**arch_overrides, **overrides})
+    settings = {"vocab_size": max(VOCAB_SIZE, len(tokenizer)), "hidden_size": 64,
+                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2,
+                "pad_token_id": 2}
+    config = config_cls(**{**settings, **arch_overrides, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger than the 0.02 default init, so logits are far from ties

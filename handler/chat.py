@@ -1,0 +1,94 @@
+"""OpenAI chat-completions schema on /invocations and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from engine import TokenEvent
+from handler.schemas import bad_request, sampling_params
+
+_CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature",
+                "top_p", "seed", "stop", "stream", "logprobs", "top_logprobs", "n",
+                "frequency_penalty", "presence_penalty", "ignore_eos", "user"}
+_FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A parsed chat body; `params` carries the generation knobs."""
+
+    messages: list[dict]
+    params: object
+    stream: bool
+    logprobs: bool
+    completion_id: str
+    created: int
+
+
+def parse_chat(body: dict, wants_stream: bool) -> ChatRequest:
+    """Validate an OpenAI chat body; unsupported options are errors, not silently ignored."""
+    unknown = sorted(set(body) - _CHAT_FIELDS)
+    if unknown:
+        raise bad_request(f"unknown chat fields: {', '.join(unknown)}")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise bad_request("messages must be a non-empty list of {role: str, content: str}")
+    if body.get("n", 1) != 1:
+        raise bad_request("n must be 1 (one choice per request)")
+    for name in ("frequency_penalty", "presence_penalty", "top_logprobs"):
+        if body.get(name, 0) not in (0, None):
+            raise bad_request(f"{name} is not supported (must be 0 or absent)")
+    logprobs = body.get("logprobs", False)
+    stream = body.get("stream", wants_stream)
+    if not isinstance(logprobs, bool) or not isinstance(stream, bool):
+        raise bad_request("logprobs and stream must be booleans")
+    parameters = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos")
+                  if body.get(k) is not None}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        parameters["max_new_tokens"] = max_tokens
+    return ChatRequest(messages, sampling_params(parameters), stream, logprobs,
+                       f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+
+
+def _logprobs(events: list[TokenEvent]) -> dict:
+    return {"content": [{"token": e.text, "logprob": e.logprob, "top_logprobs": []}
+                        for e in events if e.token_id is not None]}
+
+
+def _usage(last: TokenEvent) -> dict:
+    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
+            "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+
+
+def chat_completion(req: ChatRequest, model: str, events: list[TokenEvent]) -> dict:
+    last = events[-1]
+    return {
+        "id": req.completion_id, "object": "chat.completion", "created": req.created,
+        "model": model,
+        "choices": [{"index": 0,
+                     "message": {"role": "assistant", "content": "".join(e.text for e in events)},
+                     "logprobs": _logprobs(events) if req.logprobs else None,
+                     "finish_reason": _FINISH.get(last.finish_reason or "", "stop")}],
+        "usage": _usage(last),
+    }
+
+
+def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, first: bool) -> dict:
+    """One streamed chunk: the role first, then content deltas; the last has finish + usage."""
+    delta: dict = {"role": "assistant", "content": ""} if first else {}
+    if event is not None and event.text:
+        delta["content"] = event.text
+    chunk = {"id": req.completion_id, "object": "chat.completion.chunk", "created": req.created,
+             "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+    if event is not None and req.logprobs and event.token_id is not None:
+        chunk["choices"][0]["logprobs"] = _logprobs([event])
+    if event is not None and event.finished:
+        chunk["choices"][0]["finish_reason"] = _FINISH.get(event.finish_reason or "", "stop")
+        chunk["usage"] = _usage(event)
+    return chunk

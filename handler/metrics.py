@@ -1,0 +1,81 @@
+"""Prometheus metrics: request outcomes and latencies from the handler, step facts from the loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine import StepStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 128, 256)
+
+
+class Metrics:
+    """One registry per server process (one gunicorn worker)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("batchyard_requests", "Requests by HTTP status", ["status"],
+                                registry=r)
+        self.ttft = Histogram("batchyard_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("batchyard_inter_token_latency_seconds", "Gap between tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("batchyard_e2e_request_latency_seconds", "Request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("batchyard_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("batchyard_generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.batch_size = Histogram("batchyard_batch_size", "Sequences per engine step",
+                                    buckets=_BATCH_BUCKETS, registry=r)
+        self.step_tokens = Counter("batchyard_step_tokens", "Tokens computed by engine steps",
+                                   ["kind"], registry=r)
+        self.step_seconds = Histogram("batchyard_step_seconds", "Engine step duration",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.preemptions = Counter("batchyard_preemptions", "Sequences preempted (recompute)",
+                                   registry=r)
+        self.queue_depth = Gauge("batchyard_queue_depth", "Requests waiting", registry=r)
+        self.running = Gauge("batchyard_running_sequences", "Sequences running", registry=r)
+        self.kv_used = Gauge("batchyard_kv_blocks_used", "KV blocks in use", registry=r)
+        self.kv_total = Gauge("batchyard_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.prefix_hit_rate = Gauge("batchyard_prefix_cache_hit_rate",
+                                     "Prompt blocks found in the prefix cache / looked up",
+                                     registry=r)
+        self._preemptions_seen = 0
+
+    def watch(self, waiting: Callable[[], float], running: Callable[[], float],
+              kv_used: Callable[[], float], kv_total: Callable[[], float],
+              prefix_hit_rate: Callable[[], float]) -> None:
+        """Read the live gauges from the engine at scrape time (correct even when idle)."""
+        self.queue_depth.set_function(waiting)
+        self.running.set_function(running)
+        self.kv_used.set_function(kv_used)
+        self.kv_total.set_function(kv_total)
+        self.prefix_hit_rate.set_function(prefix_hit_rate)
+
+    def on_step(self, stats: StepStats) -> None:
+        """Called by the engine loop after every step."""
+        self.batch_size.observe(stats.num_seqs)
+        self.step_tokens.labels("prefill").inc(stats.num_prefill_tokens)
+        self.step_tokens.labels("decode").inc(stats.num_decode_tokens)
+        self.step_seconds.observe(stats.step_seconds)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
+
+    def on_request(self, status: int, prompt_tokens: int, token_times: list[float],
+                   start: float, end: float) -> None:
+        """A finished request: its status, tokens and the monotonic times of its tokens."""
+        self.requests.labels(str(status)).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(len(token_times))
+        if token_times:
+            self.ttft.observe(token_times[0] - start)
+            for before, after in zip(token_times, token_times[1:], strict=False):
+                self.itl.observe(after - before)
+        self.e2e.observe(end - start)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,142 @@
+"""Request JSON → validated generation requests, and the LMI-shaped response objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine import RequestError, SamplingParams, TokenEvent
+
+MAX_LIST_INPUTS = 64
+FINISH_REASONS = {"length", "eos_token", "stop_sequence"}
+
+
+class HTTPError(Exception):
+    """An error answer: status code, a stable type name and a message naming field and limit."""
+
+    def __init__(self, code: int, type_: str, message: str,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.code, self.type, self.message = code, type_, message
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"code": self.code, "type": self.type, "message": self.message}
+
+
+def bad_request(message: str) -> HTTPError:
+    return HTTPError(400, "BadRequest", message)
+
+
+# name → (accepted JSON types, description used in errors)
+_PARAMETERS: dict[str, tuple[tuple[type, ...], str]] = {
+    "max_new_tokens": ((int,), "an integer"), "min_new_tokens": ((int,), "an integer"),
+    "do_sample": ((bool,), "a boolean"), "temperature": ((int, float), "a number"),
+    "top_k": ((int,), "an integer"), "top_p": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"), "seed": ((int,), "an integer"),
+    "stop_sequences": ((list, str), "a list of strings"),
+    "stop": ((list, str), "a list of strings"),
+    "ignore_eos_token": ((bool,), "a boolean"), "ignore_eos": ((bool,), "a boolean"),
+    "return_full_text": ((bool,), "a boolean"), "details": ((bool,), "a boolean"),
+}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A parsed /invocations body in the LMI schema."""
+
+    inputs: tuple[str, ...]
+    is_list: bool
+    params: SamplingParams
+    stream: bool
+    details: bool
+    return_full_text: bool
+
+
+def parse_generate(body: dict, wants_stream: bool) -> GenerateRequest:
+    """Validate `{"inputs", "parameters", "stream"}`; raises HTTPError 400 naming the field."""
+    inputs = body.get("inputs")
+    is_list = isinstance(inputs, list)
+    items = inputs if is_list else [inputs]
+    if inputs is None:
+        raise bad_request("field inputs is required (a string or a list of strings)")
+    if not items or len(items) > MAX_LIST_INPUTS:
+        raise bad_request(f"inputs must hold 1 to {MAX_LIST_INPUTS} items (given: {len(items)})")
+    if not all(isinstance(s, str) and s for s in items):
+        raise bad_request("inputs must be a non-empty string or a list of non-empty strings")
+    parameters = body.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise bad_request("parameters must be a JSON object")
+    stream = body.get("stream", wants_stream)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be a boolean")
+    if stream and is_list:
+        raise bad_request("stream supports a single input, not a list of inputs")
+    return GenerateRequest(tuple(items), is_list, sampling_params(parameters), stream,
+                           _flag(parameters, "details"), _flag(parameters, "return_full_text"))
+
+
+def sampling_params(parameters: dict) -> SamplingParams:
+    """LMI/TGI parameter names → SamplingParams; unknown names and wrong types are errors."""
+    unknown = sorted(set(parameters) - set(_PARAMETERS))
+    if unknown:
+        raise bad_request(f"unknown parameters: {', '.join(unknown)}; supported: "
+                          f"{', '.join(sorted(_PARAMETERS))}")
+    for name, value in parameters.items():
+        types, described = _PARAMETERS[name]
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, types) or (is_bool and bool not in types):
+            raise bad_request(f"parameters.{name} must be {described} (given: {value!r})")
+    p = parameters
+    stop = p.get("stop_sequences", p.get("stop", []))
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise bad_request("parameters.stop_sequences must be a list of strings")
+    sampling_knobs = ("temperature", "top_k", "top_p")
+    inferred = any(k in p and p[k] != d for k, d in zip(sampling_knobs, (1.0, 0, 1.0), strict=True))
+    do_sample = p.get("do_sample", inferred)
+    try:
+        return SamplingParams(
+            max_new_tokens=p.get("max_new_tokens", 30), min_new_tokens=p.get("min_new_tokens", 0),
+            do_sample=do_sample, temperature=float(p.get("temperature", 1.0)),
+            top_k=p.get("top_k", 0), top_p=float(p.get("top_p", 1.0)),
+            repetition_penalty=float(p.get("repetition_penalty", 1.0)), seed=p.get("seed"),
+            stop=tuple(stop), ignore_eos=p.get("ignore_eos_token", p.get("ignore_eos", False)))
+    except RequestError as err:
+        raise bad_request(str(err)) from err
+
+
+def _flag(parameters: dict, name: str) -> bool:
+    return bool(parameters.get(name, False))
+
+
+def token_dict(event: TokenEvent) -> dict:
+    return {"id": event.token_id, "text": event.text, "log_prob": event.logprob}
+
+
+def details_dict(events: list[TokenEvent], with_tokens: bool) -> dict:
+    last = events[-1]
+    details = {"finish_reason": last.finish_reason, "generated_tokens": last.num_output_tokens,
+               "inputs": last.num_prompt_tokens}
+    if with_tokens:
+        details["tokens"] = [token_dict(e) for e in events if e.token_id is not None]
+    return details
+
+
+def generation_dict(events: list[TokenEvent], prompt: str, request: GenerateRequest) -> dict:
+    """The non-streaming answer for one input: generated_text (+ details)."""
+    text = "".join(e.text for e in events)
+    result: dict = {"generated_text": prompt + text if request.return_full_text else text}
+    if request.details:
+        result["details"] = details_dict(events, with_tokens=True)
+    return result
+
+
+def final_error(event: TokenEvent) -> HTTPError | None:
+    """The HTTP error a request's final event stands for, if it did not end normally."""
+    if event.finish_reason in FINISH_REASONS:
+        return None
+    if event.finish_reason == "timeout":
+        return HTTPError(504, "TimeoutError", "request exceeded option.predict_timeout")
+    if event.finish_reason == "abort":
+        return HTTPError(503, "ServiceUnavailable", "request aborted: the server is shutting down")
+    return HTTPError(500, "InternalServerError", "internal error while generating; see server logs")

@@ -1,0 +1,65 @@
+"""gunicorn: ONE worker (the model is loaded once) with many threads; the engine loop and the
+model loader run as background threads of that worker."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+from gunicorn.app.base import BaseApplication
+
+from handler.app import create_app
+from handler.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+WORKER_BOOT_ERROR = 3  # gunicorn's master halts with this code when its worker exits with it
+DRAIN_SECONDS = 20  # SIGTERM drain; SageMaker sends SIGKILL 30 s after SIGTERM
+
+
+class GunicornServer(BaseApplication):
+    """Runs create_app(ServerState) in one gthread worker."""
+
+    def __init__(self, make_state: Callable[[], ServerState], options: dict) -> None:
+        self._make_state = make_state
+        self._options = options
+        self.state: ServerState | None = None
+        super().__init__()
+
+    def load_config(self) -> None:
+        for key, value in self._options.items():
+            self.cfg.set(key, value)
+        self.cfg.set("worker_exit", self._on_worker_exit)
+
+    def load(self):
+        # Runs inside the worker after fork: load the model there, in the background.
+        self.state = self._make_state()
+        self.state.start_loading()
+        return create_app(self.state)
+
+    def _on_worker_exit(self, server, worker) -> None:
+        # gunicorn has drained in-flight connections for graceful_timeout; end what is left.
+        if self.state is not None:
+            self.state.shutdown(grace_seconds=0.0)
+
+
+def run_server(make_state: Callable[[], ServerState], host: str, port: int,
+               threads: int = 128) -> None:
+    """Serve until SIGTERM/SIGINT (exit 0) or a failed model load (exit 3)."""
+    options = {
+        "bind": f"{host}:{port}", "workers": 1, "worker_class": "gthread", "threads": threads,
+        "worker_connections": max(1000, 2 * threads),
+        # The gthread worker's main loop heartbeats while requests run: long generations are
+        # never killed by this timeout.
+        "timeout": 120, "graceful_timeout": DRAIN_SECONDS, "keepalive": 5,
+        "loglevel": "info", "accesslog": None, "proc_name": "batchyard",
+    }
+    logger.info("listening on http://%s:%d (1 worker, %d threads)", host, port, threads)
+    GunicornServer(make_state, options).run()
+
+
+def exit_on_load_failure() -> None:
+    """Stop the whole server so that an orchestrator restarts it (gunicorn exits with 3)."""
+    logging.shutdown()
+    os._exit(WORKER_BOOT_ERROR)

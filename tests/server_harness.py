@@ -1,0 +1,97 @@
+"""Start the real `batchyard serve` (gunicorn) on loopback for HTTP tests; always stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+# The Dockerfile's ENTRYPOINT + CMD; tests/test_dockerfile.py checks they agree.
+SERVER_ARGV_PREFIX = ["batchyard", "serve"]
+BIN_DIR = Path(sys.executable).parent
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metric(self, name: str) -> float:
+        """Sum of a metric's samples (labels ignored) from /metrics."""
+        text = requests.get(f"{self.url}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and line[len(name)] in " {")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_argv(model_dir: Path, properties: Path, port: int) -> list[str]:
+    exe = str(BIN_DIR / SERVER_ARGV_PREFIX[0])
+    return [exe, *SERVER_ARGV_PREFIX[1:], "--model-dir", str(model_dir), "--properties",
+            str(properties), "--host", "127.0.0.1", "--port", str(port)]
+
+
+@contextlib.contextmanager
+def running_server(tmp_path: Path, model_dir: Path, properties: str, env: dict | None = None,
+                   wait_ready: bool = True, timeout: float = 90) -> Iterator[Server]:
+    """Yields a Server once /ping answers 200 (or at once with wait_ready=False)."""
+    props = tmp_path / f"serving-{time.monotonic_ns()}.properties"
+    props.write_text(properties)
+    port = free_port()
+    log_path = props.with_suffix(".log")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(server_argv(model_dir, props, port), stdout=log,
+                                   stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        if wait_ready:
+            wait_for_ping(server, timeout)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def first_answer(url: str, timeout: float) -> requests.Response:
+    """The first HTTP answer from `url` once the server accepts connections."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return requests.get(url, timeout=2)
+        except requests.ConnectionError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
+
+
+def wait_for_ping(server: Server, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{server.url}/ping", timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"server not ready in {timeout} s:\n{server.log()}")

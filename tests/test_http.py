@@ -1,0 +1,205 @@
+"""HTTP contract against a real gunicorn process on loopback, on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.models_fixtures import build_tiny_model
+from tests.server_harness import first_answer, running_server, server_argv, wait_for_ping
+
+pytestmark = pytest.mark.slow
+
+CONTINUOUS = ("option.rolling_batch=scheduler\noption.max_rolling_batch_size=8\n"
+              "option.max_model_len=2048\njob_queue_size=100\noption.max_request_size=4KiB\n")
+
+
+def post(url: str, body, **kw) -> requests.Response:
+    return requests.post(f"{url}/invocations", json=body, timeout=60, **kw)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("http-model"), max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("srv"), model_dir, CONTINUOUS) as srv:
+        yield srv
+
+
+def many_clients(url: str, n: int) -> list[requests.Response]:
+    def one(i: int) -> requests.Response:
+        body = {"inputs": f"Once upon a time {i}",
+                "parameters": {"max_new_tokens": 4 + i % 7, "ignore_eos": True}}
+        return post(url, body)
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_32_concurrent_clients_are_all_answered(server) -> None:
+    """Every one of 32 concurrent requests gets its full answer; none is lost."""
+    responses = many_clients(server.url, 32)
+    assert [r.status_code for r in responses] == [200] * 32
+    details = [post(server.url, {"inputs": "x", "parameters": {"details": True}}).json()]
+    assert details[0]["details"]["finish_reason"] in ("length", "eos_token")
+
+
+def test_list_inputs_answer_a_list_in_order(server) -> None:
+    body = {"inputs": ["The capital of France", "Once upon"],
+            "parameters": {"max_new_tokens": 5, "ignore_eos": True, "details": True}}
+    listed = post(server.url, body).json()
+    assert isinstance(listed, list) and len(listed) == 2
+    single = post(server.url, {**body, "inputs": "Once upon"}).json()
+    assert listed[1]["generated_text"] == single["generated_text"]
+    assert listed[0]["details"]["generated_tokens"] == 5
+
+
+def test_streaming_lines_and_multibyte_text(server) -> None:
+    """jsonlines: one token per line, last line has generated_text + details; text matches."""
+    body = {"inputs": "Grüße aus Köln 東京", "parameters": {"max_new_tokens": 12,
+                                                          "ignore_eos": True}}
+    full = post(server.url, body).json()["generated_text"]
+    r = post(server.url, {**body, "stream": True}, stream=True)
+    assert r.headers["Content-Type"].startswith("application/jsonlines")
+    lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert len(lines) == 12 and all("token" in line for line in lines)
+    assert lines[-1]["generated_text"] == full == "".join(x["token"]["text"] for x in lines)
+    assert lines[-1]["details"]["finish_reason"] == "length"
+    sse = post(server.url, body, headers={"Accept": "text/event-stream"}, stream=True)
+    events = [e for e in sse.iter_lines() if e]
+    assert all(e.startswith(b"data: ") for e in events) and len(events) == 12
+
+
+def test_disconnecting_stream_aborts_and_frees_kv(server) -> None:
+    """A streaming client that goes away: its request ends and its KV block is freed."""
+    body = {"inputs": "long", "parameters": {"max_new_tokens": 2000, "ignore_eos": True},
+            "stream": True}
+    r = post(server.url, body, stream=True)
+    lines = r.iter_lines()
+    next(lines), next(lines)
+    assert server.metric("batchyard_kv_blocks_used") >= 1
+    r.close()
+    end = time.monotonic() + 10
+    while time.monotonic() < end and server.metric("batchyard_kv_blocks_used") > 0:
+        time.sleep(0.1)
+    assert server.metric("batchyard_kv_blocks_used") == 0
+    assert server.metric("batchyard_running_sequences") == 0
+
+
+@pytest.mark.parametrize(("body", "headers", "code", "words"), [
+    (b"{not json", {"Content-Type": "application/json"}, 400, "malformed JSON"),
+    (b"inputs=x", {"Content-Type": "application/x-www-form-urlencoded"}, 415, "content type"),
+    (json.dumps({"inputs": "x" * 5000}).encode(), {}, 413, "max_request_size=4096"),
+    ({"inputs": ""}, {}, 400, "inputs"),
+    ({"parameters": {}}, {}, 400, "inputs is required"),
+    ({"inputs": "x", "parameters": {"max_tokens_typo": 3}}, {}, 400, "max_tokens_typo"),
+    ({"inputs": "x", "parameters": {"temperature": -1}}, {}, 400, "temperature"),
+    ({"inputs": "x", "parameters": {"top_p": 1.5}}, {}, 400, "top_p"),
+    ({"inputs": "x", "parameters": {"max_new_tokens": "many"}}, {}, 400, "max_new_tokens"),
+    ({"inputs": "x", "parameters": {"max_new_tokens": 5000}}, {}, 400, "max_model_len"),
+    ({"inputs": "x " * 1500, "parameters": {"max_new_tokens": 1000}}, {}, 400, "2048"),
+    ({"inputs": "x", "parameters": {"stop": ["a"] * 17}}, {}, 400, "at most 16"),
+    ({"inputs": ["x"] * 65}, {}, 400, "1 to 64"),
+    ({"inputs": ["x", "y"], "stream": True}, {}, 400, "single input"),
+    ({"messages": [{"role": "user"}]}, {}, 400, "messages"),
+])
+def test_validation_table(server, body, headers, code, words) -> None:
+    """Bad requests get a JSON error naming the field and the limit; never a 500."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = requests.post(f"{server.url}/invocations", data=data,
+                      headers={"Content-Type": "application/json", **headers}, timeout=30)
+    assert r.status_code == code, r.text
+    err = r.json()
+    assert err["code"] == code and words in err["message"] and "Traceback" not in r.text
+
+
+def test_chat_completions_plain_and_streaming(server) -> None:
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 6, "ignore_eos": True}
+    r = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30).json()
+    assert r["object"] == "chat.completion" and r["usage"]["completion_tokens"] == 6
+    same = post(server.url, body).json()
+    assert same["choices"][0]["message"] == r["choices"][0]["message"]
+    chunks = [json.loads(x) for x in post(server.url, {**body, "stream": True},
+                                          stream=True).iter_lines() if x]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "usage" in chunks[-1]
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert content == r["choices"][0]["message"]["content"]
+
+
+def test_metrics_add_up(server) -> None:
+    """N requests of K tokens add N*K generated tokens and N TTFT samples."""
+    before_tokens = server.metric("batchyard_generation_tokens_total")
+    before_ttft = server.metric("batchyard_time_to_first_token_seconds_count")
+    body = {"inputs": "count", "parameters": {"max_new_tokens": 7, "ignore_eos": True}}
+    for _ in range(5):
+        assert post(server.url, body).status_code == 200
+    assert server.metric("batchyard_generation_tokens_total") - before_tokens == 35
+    assert server.metric("batchyard_time_to_first_token_seconds_count") - before_ttft == 5
+    assert server.metric("batchyard_kv_blocks_total") == 8
+
+
+def test_dynamic_batching_answers_32_concurrent_clients(model_dir, tmp_path) -> None:
+    props = "batch_size=8\nmax_batch_delay=20\noption.max_model_len=256\n"
+    with running_server(tmp_path, model_dir, props) as srv:
+        assert [r.status_code for r in many_clients(srv.url, 32)] == [200] * 32
+        assert srv.metric("batchyard_batch_size_sum") > srv.metric("batchyard_batch_size_count")
+
+
+def test_loading_queue_full_and_predict_timeout(model_dir, tmp_path) -> None:
+    """/ping is 503 while loading; a full queue answers 503 + Retry-After while admitted
+    requests complete; a request past predict_timeout ends with 504."""
+    props = ("batch_size=1\noption.max_model_len=4096\njob_queue_size=1\n"
+             "option.predict_timeout=0.5\n")
+    with running_server(tmp_path, model_dir, props, env={"BATCHYARD_TEST_LOAD_DELAY": "5"},
+                        wait_ready=False) as srv:
+        ping = first_answer(f"{srv.url}/ping", timeout=60)
+        assert ping.status_code == 503 and "loading" in ping.json()["message"]
+        wait_for_ping(srv, 60)
+        slow = {"inputs": "x", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(post, srv.url, slow) for _ in range(4)]
+            statuses = sorted(f.result().status_code for f in futures)
+        rejected = [f.result() for f in futures if f.result().status_code == 503]
+        assert statuses.count(503) == 2 and rejected[0].headers["Retry-After"] == "1"
+        assert set(statuses) <= {503, 504, 200}
+        timed_out = post(srv.url, slow)
+        assert timed_out.status_code == 504 and "predict_timeout" in timed_out.json()["message"]
+        assert srv.metric("batchyard_kv_blocks_used") == 0
+
+
+def test_bad_properties_value_stops_startup_with_one_line(model_dir, tmp_path) -> None:
+    props = tmp_path / "bad.properties"
+    props.write_text("option.rolling_batch=scheduler\noption.max_rolling_batch_size=lots\n")
+    result = subprocess.run(server_argv(model_dir, props, 1), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and "option.max_rolling_batch_size='lots'" in line
+    assert "bad.properties line 2" in line and "an integer >= 1" in line
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path) -> None:
+    props = "option.rolling_batch=scheduler\noption.max_model_len=4096\n"
+    with running_server(tmp_path, model_dir, props) as srv:
+        result: dict = {}
+        body = {"inputs": "drain", "parameters": {"max_new_tokens": 400, "ignore_eos": True,
+                                                  "details": True}}
+        worker = threading.Thread(target=lambda: result.update(r=post(srv.url, body)))
+        worker.start()
+        time.sleep(0.3)
+        srv.process.send_signal(signal.SIGTERM)
+        worker.join(timeout=30)
+        assert srv.process.wait(timeout=30) == 0
+        assert result["r"].status_code == 200
+        assert result["r"].json()["details"]["generated_tokens"] == 400
