@@ -33,6 +33,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    # auto: a fast kernel where one fits the device, else the pure-PyTorch reference.
+    attention_backend: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False
 

@@ -48,6 +48,7 @@ class LLMEngine:
         """Load tokenizer and weights, size the KV pool, build the strategy's scheduler."""
         from transformers import AutoTokenizer
 
+        from engine.backends import select_attention_backend
         from engine.model_runner import ModelRunner
         from engine.models.loader import load_model, resolve_device, resolve_dtype
 
@@ -61,7 +62,9 @@ class LLMEngine:
                        default_budget_bytes(device.type, config.gpu_memory_utilization))
         allocator = build_allocator(config, plan)
         scheduler = SCHEDULERS[config.batching](config, allocator)
-        runner = ModelRunner(model, spec, device, dtype, plan.num_blocks, plan.block_size)
+        attention = select_attention_backend(config.attention_backend, device)
+        runner = ModelRunner(model, spec, device, dtype, plan.num_blocks, plan.block_size,
+                             attention)
         eos = _eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
                     device, dtype, config.batching, max_model_len)

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from engine.attention import AttentionMetadata, PrefillRow, causal_mask
+from engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillRow,
+    ReferenceAttention,
+    causal_mask,
+    page_size_for,
+)
 from engine.models.loader import ModelSpec
 from engine.outputs import SampledToken
 from engine.sampler import sample
@@ -15,11 +24,14 @@ class ModelRunner:
     """Owns the model and the KV pool; run() does one forward pass and samples."""
 
     def __init__(self, model, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                 num_blocks: int, block_size: int) -> None:
+                 num_blocks: int, block_size: int,
+                 attention: AttentionBackend | None = None) -> None:
         self.model = model
+        self.attention = attention or ReferenceAttention()
         self.spec = spec
         self.device = device
         self.block_size = block_size
+        self.page_size = page_size_for(block_size)
         # [layers, 2, num_blocks * block_size, num_kv_heads, head_dim]; zeroed so padding is finite
         self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads,
                                     spec.head_dim, dtype=dtype, device=device)
@@ -65,35 +77,39 @@ class ModelRunner:
             else:
                 prefills.append(self._prefill_row(seq.block_table, row, n, end))
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
+            slot_mapping=self._tensor(slots), page_size=self.page_size,
             decode_token_idx=self._tensor(decode_rows) if decode_rows else None,
-            **self._decode_gather(decode_seqs), prefills=tuple(prefills))
+            **self._decode_gather(decode_seqs), prefills=tuple(prefills), backend=self.attention)
+        meta = replace(meta, backend_state=self.attention.prepare(meta))
         return self._tensor(ids), self._tensor(positions), meta, last_rows
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def _pages(self, block_table: list[int], context: int) -> list[int]:
+        """Pages holding positions 0..context-1 (a page is page_size consecutive slots)."""
+        per_block = self.block_size // self.page_size
+        return [block_table[j // per_block] * per_block + j % per_block
+                for j in range(-(-context // self.page_size))]
+
     def _prefill_row(self, block_table: list[int], row: int, n: int, context: int) -> PrefillRow:
-        return PrefillRow(row, n, self._tensor(self._slots(block_table, 0, context)),
+        return PrefillRow(row, n, context, self._tensor(self._pages(block_table, context)),
                           causal_mask(n, context, self.spec.sliding_window, self.device))
 
     def _decode_gather(self, decode_seqs: list[tuple[list[int], int]]) -> dict:
-        """Padded KV slot indices and visibility mask for the single-query rows."""
+        """Padded page indices and visibility mask for the single-query rows."""
         if not decode_seqs:
-            return {"decode_kv_slots": None, "decode_mask": None}
-        bs = self.block_size
-        max_ctx = max(ctx for _, ctx in decode_seqs)
-        max_blocks = -(-max_ctx // bs)
-        tables = self._tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                               for t, _ in decode_seqs])  # [B, max_blocks]
-        pos = torch.arange(max_ctx, device=self.device)  # [T]
-        kv_slots = tables[:, pos // bs] * bs + pos % bs  # [B, T]
+            return {"decode_pages": None, "decode_mask": None}
+        pages = [self._pages(table, ctx) for table, ctx in decode_seqs]
+        width = max(len(p) for p in pages)
+        padded = self._tensor([p + [0] * (width - len(p)) for p in pages])  # [B, max_pages]
+        pos = torch.arange(width * self.page_size, device=self.device)  # [T]
         ctx = self._tensor([c for _, c in decode_seqs]).unsqueeze(1)  # [B, 1]
         visible = pos.unsqueeze(0) < ctx  # [B, T]
         if self.spec.sliding_window is not None:
             visible &= pos.unsqueeze(0) > ctx - 1 - self.spec.sliding_window
-        return {"decode_kv_slots": kv_slots, "decode_mask": visible[:, None, None, :]}
+        return {"decode_pages": padded, "decode_mask": visible[:, None, None, :]}
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, reference_attention, store_kv
+from engine.attention import AttentionMetadata, store_kv
 from engine.models.loader import ModelSpec
 
 
@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(-1, s.num_heads, s.head_dim), cos, sin)  # [N, H, D]
         k = apply_rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)  # [N, Hkv, D]
         store_kv(k, v.view(-1, s.num_kv_heads, s.head_dim), k_cache, v_cache, meta.slot_mapping)
-        attn = reference_attention(q, k_cache, v_cache, meta, self.scale)
+        attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
         x = x + self.o_proj(attn.flatten(1))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
