@@ -130,6 +130,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def max_concurrency(self) -> int:
+        """Sequences of max_model_len tokens the KV pool holds at once."""
+        allocator = self.scheduler.allocator
+        return allocator.num_blocks * allocator.block_size // self.max_model_len
+
     # --- the step ---
 
     def step(self) -> list[TokenEvent]:

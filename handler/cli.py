@@ -19,7 +19,7 @@ DEFAULT_PORT = 8080
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
-        from benchmark.loadgen import main as bench_main
+        from benchmark.cli import main as bench_main
 
         return bench_main(argv[1:])
     if argv and argv[0] == "build-default-model":

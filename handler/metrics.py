@@ -10,6 +10,7 @@ from engine import StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 128, 256)
+_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 class Metrics:
@@ -30,6 +31,12 @@ class Metrics:
                                          registry=r)
         self.batch_size = Histogram("batchyard_batch_size", "Sequences per engine step",
                                     buckets=_BATCH_BUCKETS, registry=r)
+        self.decode_batch_size = Histogram(
+            "batchyard_decode_batch_size", "Decoding sequences per engine step that decodes",
+            buckets=_BATCH_BUCKETS, registry=r)
+        self.kv_usage = Histogram("batchyard_kv_cache_usage_ratio",
+                                  "Fraction of the KV pool in use after each engine step",
+                                  buckets=_RATIO_BUCKETS, registry=r)
         self.step_tokens = Counter("batchyard_step_tokens", "Tokens computed by engine steps",
                                    ["kind"], registry=r)
         self.step_seconds = Histogram("batchyard_step_seconds", "Engine step duration",
@@ -40,6 +47,9 @@ class Metrics:
         self.running = Gauge("batchyard_running_sequences", "Sequences running", registry=r)
         self.kv_used = Gauge("batchyard_kv_blocks_used", "KV blocks in use", registry=r)
         self.kv_total = Gauge("batchyard_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.max_concurrency = Gauge(
+            "batchyard_kv_max_concurrency",
+            "Sequences of max_model_len tokens the KV pool holds at once", registry=r)
         self.prefix_hit_rate = Gauge("batchyard_prefix_cache_hit_rate",
                                      "Prompt blocks found in the prefix cache / looked up",
                                      registry=r)
@@ -58,6 +68,9 @@ class Metrics:
     def on_step(self, stats: StepStats) -> None:
         """Called by the engine loop after every step."""
         self.batch_size.observe(stats.num_seqs)
+        if stats.num_decode_tokens:
+            self.decode_batch_size.observe(stats.num_decode_tokens)
+        self.kv_usage.observe(stats.kv_blocks_used / max(1, stats.kv_blocks_total))
         self.step_tokens.labels("prefill").inc(stats.num_prefill_tokens)
         self.step_tokens.labels("decode").inc(stats.num_decode_tokens)
         self.step_seconds.observe(stats.step_seconds)

@@ -92,3 +92,4 @@ class ServerState:
         self.metrics.watch(lambda: len(scheduler.waiting), lambda: len(scheduler.running),
                            lambda: allocator.num_used_blocks, lambda: allocator.num_blocks,
                            hit_rate)
+        self.metrics.max_concurrency.set(engine.max_concurrency)

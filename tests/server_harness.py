@@ -41,14 +41,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_argv(model_dir: Path, properties: Path, port: int) -> list[str]:
+def server_argv(model_dir: Path | None, properties: Path, port: int) -> list[str]:
+    """The server command; model_dir None serves the embedded default model."""
     exe = str(BIN_DIR / SERVER_ARGV_PREFIX[0])
-    return [exe, *SERVER_ARGV_PREFIX[1:], "--model-dir", str(model_dir), "--properties",
-            str(properties), "--host", "127.0.0.1", "--port", str(port)]
+    model = ["--model-dir", str(model_dir)] if model_dir is not None else []
+    return [exe, *SERVER_ARGV_PREFIX[1:], *model, "--properties", str(properties), "--host",
+            "127.0.0.1", "--port", str(port)]
 
 
 @contextlib.contextmanager
-def running_server(tmp_path: Path, model_dir: Path, properties: str, env: dict | None = None,
+def running_server(tmp_path: Path, model_dir: Path | None, properties: str, env: dict | None = None,
                    wait_ready: bool = True, timeout: float = 90) -> Iterator[Server]:
     """Yields a Server once /ping answers 200 (or at once with wait_ready=False)."""
     props = tmp_path / f"serving-{time.monotonic_ns()}.properties"

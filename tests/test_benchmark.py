@@ -1,0 +1,91 @@
+"""The benchmark tools run end to end on a tiny model (figures are not checked: not timed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmark.cli import main as bench_main
+from benchmark.decode import run_decode
+from benchmark.loadgen import HTTPTarget, run_load
+from benchmark.servers import ServerStartError, local_server
+from benchmark.stall import run_stall
+from benchmark.sweep import run_sweep
+from benchmark.workloads import Job, lmi_jobs
+from tests.models_fixtures import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+PAGED = "option.rolling_batch=paged\noption.max_model_len=1024\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("bench-model"), max_position_embeddings=1024)
+
+
+def small_jobs() -> list[Job]:
+    return [Job(job.prompt, job.new_tokens // 16) for job in lmi_jobs(9)]
+
+
+def test_load_reports_every_request_and_server_steps(model_dir, tmp_path) -> None:
+    props = tmp_path / "paged.properties"
+    props.write_text(PAGED)
+    with local_server(props, tmp_path / "server.log", model_dir) as url:
+        report = run_load(HTTPTarget(url), small_jobs(), 3, metrics_url=f"{url}/metrics",
+                          progress=False)
+    assert report.num_requests == 9 and report.num_errors == 0
+    assert report.output_tokens_per_s > 0 and report.requests_per_s > 0
+    expected = sum(j.new_tokens for j in small_jobs())
+    assert report.server["decode_tokens"] + 9 == expected  # first tokens come from prefills
+    assert 1 <= report.server["mean_batch_size"] <= 3
+    assert report.ttft["p50"] <= report.e2e["p50"] and report.inter_token["p99"] > 0
+
+
+def test_sweep_writes_one_result_per_strategy_and_reports_a_failed_start(model_dir,
+                                                                         tmp_path) -> None:
+    good = tmp_path / "continuous.properties"
+    good.write_text("option.rolling_batch=scheduler\noption.max_model_len=1024\n")
+    bad = tmp_path / "broken.properties"
+    bad.write_text("option.rolling_batch=sideways\n")
+    results = run_sweep([good, bad], small_jobs, 3, tmp_path / "out", warmup=1,
+                        overrides=["option.max_rolling_batch_size=2"], model_dir=model_dir)
+    assert results["continuous"]["num_errors"] == 0
+    assert results["continuous"]["server"]["mean_batch_size"] <= 2  # the override applied
+    assert "option.rolling_batch='sideways'" in results["broken"]["error"]
+    saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert set(saved) == {"continuous", "broken"}
+
+
+def test_server_that_never_answers_is_reported_not_hung_on(model_dir, tmp_path) -> None:
+    props = tmp_path / "slow.properties"
+    props.write_text(PAGED)
+    with pytest.raises(ServerStartError, match="not ready within 3 s"):
+        with local_server(props, tmp_path / "server.log", model_dir, ready_timeout=3,
+                          env={"BATCHYARD_TEST_LOAD_DELAY": "60"}):
+            pass
+
+
+def test_stall_measures_the_running_requests(model_dir, tmp_path) -> None:
+    props = tmp_path / "paged.properties"
+    props.write_text(PAGED + "option.max_rolling_batch_prefill_tokens=64\n")
+    with local_server(props, tmp_path / "server.log", model_dir) as url:
+        report = run_stall(url, "Once upon a time " * 60, decoders=3, decode_tokens=24)
+    assert report.errors == 0 and report.long_prompt_tokens > 100
+    assert report.inter_token["p99"] <= report.max_inter_token_s
+
+
+def test_decode_benchmark_matches_transformers_tokens(model_dir) -> None:
+    report = run_decode(model_dir, new_tokens=16)
+    assert report.same_tokens and report.batchyard_tokens_per_s > 0
+
+
+def test_bench_load_command_exits_0(model_dir, tmp_path, capsys) -> None:
+    props = tmp_path / "paged.properties"
+    props.write_text(PAGED)
+    with local_server(props, tmp_path / "server.log", model_dir) as url:
+        code = bench_main(["load", "--url", url, "-c", "2", "-n", "3", "--warmup", "1",
+                           "--json", str(tmp_path / "load.json")])
+    assert code == 0 and "requests/s" in capsys.readouterr().out
+    assert json.loads((tmp_path / "load.json").read_text())["num_requests"] == 3
