@@ -203,3 +203,28 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path) -> N
         assert srv.process.wait(timeout=30) == 0
         assert result["r"].status_code == 200
         assert result["r"].json()["details"]["generated_tokens"] == 400
+
+
+def test_paged_metrics_show_blocks_preemptions_prefix_hits_and_token_split(model_dir,
+                                                                           tmp_path) -> None:
+    """A pool of 40 blocks of 4 tokens for 12 requests of ~80 tokens: preemption happens,
+    every answer is complete, and /metrics says so."""
+    props = ("option.rolling_batch=paged\noption.max_model_len=256\noption.block_size=4\n"
+             "option.num_kv_blocks=40\noption.enable_prefix_caching=true\n"
+             "option.max_rolling_batch_size=16\noption.max_rolling_batch_prefill_tokens=64\n")
+    with running_server(tmp_path, model_dir, props) as srv:
+        def one(i: int) -> requests.Response:
+            body = {"inputs": f"The capital of France is Paris. Once upon a time {i}",
+                    "parameters": {"max_new_tokens": 60, "ignore_eos": True, "details": True}}
+            return post(srv.url, body)
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(one, range(12)))
+        assert [r.status_code for r in answers] == [200] * 12
+        assert all(r.json()["details"]["generated_tokens"] == 60 for r in answers)
+        assert srv.metric("batchyard_preemptions_total") > 0
+        assert srv.metric("batchyard_kv_blocks_total") == 40
+        assert srv.metric("batchyard_kv_blocks_used") == 0
+        assert srv.metric("batchyard_prefix_cache_hit_rate") > 0
+        text = requests.get(f"{srv.url}/metrics", timeout=5).text
+        assert 'batchyard_step_tokens_total{kind="prefill"}' in text
+        assert srv.metric("batchyard_step_tokens_total") >= 12 * 60
