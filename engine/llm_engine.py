@@ -62,9 +62,9 @@ class LLMEngine:
                        default_budget_bytes(device.type, config.gpu_memory_utilization))
         allocator = build_allocator(config, plan)
         scheduler = SCHEDULERS[config.batching](config, allocator)
-        attention = select_attention_backend(config.attention_backend, device)
         runner = ModelRunner(model, spec, device, dtype, plan.num_blocks, plan.block_size,
-                             attention)
+                             select_attention_backend(config.attention_backend, device))
+        _check_attention(runner, config.attention_backend)
         eos = _eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
                     device, dtype, config.batching, max_model_len)
@@ -185,6 +185,28 @@ class LLMEngine:
             del self._ids[req.request_id]
         return TokenEvent(req.request_id, token_id, text, logprob, seq.num_prompt_tokens,
                           seq.num_output_tokens, reason, error)
+
+
+def _check_attention(runner, asked: str) -> None:
+    """A fast backend must pass its start-up check; `auto` falls back to the reference."""
+    from engine.attention import ReferenceAttention
+    from engine.attention_check import check_attention_backend
+
+    if isinstance(runner.attention, ReferenceAttention):
+        return
+    try:
+        error = check_attention_backend(runner)
+    except Exception as err:  # a kernel that cannot compile here fails the same way
+        if asked != "auto":
+            raise ValueError(f"invalid attention_backend={asked!r}: it failed its start-up "
+                             f"check on this device: {err}") from err
+        logger.warning("attention backend %s failed its start-up check (%s); using the "
+                       "reference backend", runner.attention.name, err)
+        runner.attention = ReferenceAttention()
+        return
+    logger.info("attention backend %s matches the reference (max difference %s)",
+                runner.attention.name, "unchecked: pool too small" if error is None else
+                f"{error:.2g}")
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

@@ -1,0 +1,164 @@
+"""Attention backends against the reference: the flex backend on random pools and block tables,
+and end to end through the engine. CPU compiles FlexAttention to C++ (seconds per shape), so the
+cases share one pool size and the query buckets 16 and 32 to compile only a few graphs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    ReferenceAttention,
+    reference_attention,
+)
+from engine.attention_flex import FlexAttention
+from engine.backends import select_attention_backend
+from engine.model_runner import ModelRunner
+from engine.models.loader import ModelSpec
+from engine.sampling_params import SamplingParams
+from engine.scheduler.base import ScheduledBatch
+from engine.sequence import Sequence
+from tests.engine_harness import Req, drive, greedy, make_engine
+from tests.models_fixtures import build_tiny_model
+
+POOL_SLOTS = 384  # every case uses this pool size, so compiled graphs are reused
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+
+# (block_size, sliding_window, [(computed tokens, scheduled tokens) per sequence], shared blocks)
+CASES = [
+    (4, None, [(5, 1), (0, 7), (9, 1), (12, 4), (0, 1), (30, 1)], 0),
+    (4, 5, [(6, 1), (0, 9), (2, 1), (3, 3), (17, 1)], 0),
+    (16, None, [(40, 1), (33, 6), (0, 20), (2, 1)], 2),  # first 2 blocks shared (prefix cache)
+    (16, 7, [(40, 1), (0, 13), (21, 8), (15, 1)], 0),
+    (96, None, [(50, 1), (0, 17), (60, 9), (7, 1)], 0),  # contiguous: one block per sequence
+    (96, 10, [(50, 1), (0, 17), (60, 9), (7, 1)], 0),
+]
+
+
+def prepare(block_size: int, window: int | None, shapes: list[tuple[int, int]], shared: int,
+            backend, device: torch.device, seed: int) -> AttentionMetadata:
+    """The real ModelRunner._prepare's metadata for a batch with random block tables."""
+    rng = random.Random(seed)
+    spec = ModelSpec("LlamaForCausalLM", 1, HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, 100, 256,
+                     window)
+    runner = ModelRunner(None, spec, device, torch.float32, POOL_SLOTS // block_size, block_size,
+                         backend)
+    free = list(range(POOL_SLOTS // block_size))
+    rng.shuffle(free)
+    seqs = []
+    for i, (computed, n) in enumerate(shapes):
+        seq = Sequence(i, [rng.randrange(3, 99) for _ in range(computed + n)], SamplingParams())
+        seq.num_computed_tokens = computed
+        table = seqs[0].block_table[:shared] if i == 1 else []
+        seq.block_table = table + [free.pop() for _ in range(-(-seq.num_tokens // block_size)
+                                                             - len(table))]
+        seqs.append(seq)
+    batch = ScheduledBatch(tuple(seqs), tuple(n for _, n in shapes))
+    return runner._prepare(batch)[2]
+
+
+def random_pool(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V pools made as ModelRunner makes its pool: outside inference mode (dynamo compiles
+    inference and normal tensors to different graphs, so tests then share the engine's)."""
+    return tuple(torch.randn(POOL_SLOTS, KV_HEADS, HEAD_DIM, device=device).to(dtype)
+                 for _ in range(2))
+
+
+def compare(case, device: torch.device, dtype: torch.dtype, atol: float, seed: int) -> None:
+    block_size, window, shapes, shared = case
+    backend = FlexAttention(device)
+    torch.manual_seed(seed)
+    k, v = random_pool(device, dtype)
+    with torch.inference_mode():
+        meta = prepare(block_size, window, shapes, shared, backend, device, seed)
+        q = torch.randn(meta.slot_mapping.numel(), HEADS, HEAD_DIM, device=device).to(dtype)
+        want = reference_attention(q.float(), k.float(), v.float(), meta, HEAD_DIM ** -0.5)
+        got = backend.forward(q, k, v, meta, HEAD_DIM ** -0.5)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-w{c[1]}-shared{c[3]}")
+def test_flex_matches_reference_on_cpu(case) -> None:
+    compare(case, torch.device("cpu"), torch.float32, 1e-5, seed=CASES.index(case))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-w{c[1]}-shared{c[3]}")
+def test_flex_matches_reference_on_gpu_bf16(case) -> None:
+    compare(case, torch.device("cuda"), torch.bfloat16, 2e-2, seed=CASES.index(case))
+
+
+def test_steady_decoding_does_not_recompile() -> None:
+    """Decode steps of 3..14 sequences with growing contexts reuse one compiled graph."""
+    backend = FlexAttention(torch.device("cpu"))
+    k, v = random_pool(torch.device("cpu"), torch.float32)
+    graphs = None
+    for step in range(8):
+        shapes = [(3 + step + i, 1) for i in range(3 + step * 11 % 12)]
+        q = torch.randn(len(shapes), HEADS, HEAD_DIM)
+        with torch.inference_mode():
+            meta = prepare(4, None, shapes, 0, backend, torch.device("cpu"), seed=step)
+            got = backend.forward(q, k, v, meta, 0.25)
+            torch.testing.assert_close(got, reference_attention(q, k, v, meta, 0.25), atol=1e-5,
+                                       rtol=0)
+        if graphs is None:  # the first step may compile the 16-row bucket
+            graphs = counters["stats"]["unique_graphs"]
+            # Contexts 4, 5, 6 fill 5 pages of 4 slots: at most 5 of the pool's 24 KV blocks.
+            assert meta.backend_state.block_mask.kv_num_blocks.max() <= 5
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_selection() -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(select_attention_backend("auto", cpu), ReferenceAttention)
+    assert isinstance(select_attention_backend("flex", cpu), FlexAttention)
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_attention_backend("flash", cpu)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: sliding window 12
+def test_flex_engine_gives_reference_greedy_tokens(tmp_path, arch) -> None:
+    """A short paged workload (chunked prefill, prefix cache, block size 4): same tokens."""
+    path = build_tiny_model(tmp_path, arch=arch)
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 300) for _ in range(9)]
+    prompts = [shared + [rng.randrange(3, 300) for _ in range(n)] for n in (2, 14)]
+    prompts += [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 21)]
+    tokens = {}
+    for backend in ("reference", "flex"):
+        reqs = [Req(f"r{i}", p, greedy(12), i) for i, p in enumerate(prompts)]
+        engine = make_engine(path, "paged", block_size=4, max_num_batched_tokens=16,
+                             enable_prefix_caching=True, attention_backend=backend)
+        assert engine.runner.attention.name == backend
+        drive(engine, reqs)
+        tokens[backend] = [r.tokens for r in reqs]
+    assert tokens["flex"] == tokens["reference"]
+
+
+class _OffByOne(AttentionBackend):
+    """A backend that is wrong: what a miscompiled kernel would look like."""
+
+    name = "broken"
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        return reference_attention(q, k_cache, v_cache, meta, scale) + 1.0
+
+
+def test_a_backend_that_disagrees_is_caught_at_start_up(tmp_path) -> None:
+    """auto falls back to the reference; a backend asked for by name stops start-up."""
+    from engine.llm_engine import _check_attention
+
+    engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4)
+    runner = engine.runner
+    runner.attention = _OffByOne()
+    with pytest.raises(ValueError, match="failed its start-up check"):
+        _check_attention(runner, "flex")
+    _check_attention(runner, "auto")
+    assert type(runner.attention) is ReferenceAttention
+    assert not runner.kv_cache.any(), "the check left values in the pool"
