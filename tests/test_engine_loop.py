@@ -1,0 +1,142 @@
+"""The engine loop thread: submit / stream / abort, deadlines, failures, queue cap, shutdown;
+and /ping following the loop's life."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine import EngineLoop, QueueFullError, SamplingParams
+from engine.loop import EngineDeadError
+from handler.app import create_app
+from handler.serving_config import ServingConfig
+from handler.state import ServerState
+from tests.engine_harness import greedy, make_engine
+from tests.models_fixtures import build_tiny_model
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("loop-model"))
+
+
+@pytest.fixture
+def loop(model_dir):
+    engine_loop = EngineLoop(make_engine(model_dir, "continuous"), max_queued=2)
+    engine_loop.start()
+    yield engine_loop
+    engine_loop.shutdown(grace_seconds=0)
+
+
+def collect(handle) -> list:
+    return list(handle.events())
+
+
+def kv_used(engine_loop: EngineLoop) -> int:
+    return engine_loop.engine.scheduler.allocator.num_used_blocks
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_submitted_requests_stream_every_token_and_end(loop) -> None:
+    handles = [loop.submit(PROMPT, greedy(n)) for n in (3, 9, 1)]
+    runs = [collect(h) for h in handles]
+    assert [sum(e.token_id is not None for e in run) for run in runs] == [3, 9, 1]
+    assert all(run[-1].finish_reason == "length" and not run[-1].error for run in runs)
+    wait_until(lambda: kv_used(loop) == 0 and loop.num_in_flight == 0)
+
+
+def test_abort_ends_a_running_request_and_frees_its_kv(loop) -> None:
+    handle = loop.submit(PROMPT, greedy(80))
+    events = handle.events()
+    next(events)
+    handle.abort()
+    rest = list(events)
+    assert rest[-1].finish_reason == "abort"
+    wait_until(lambda: kv_used(loop) == 0)
+
+
+def test_deadline_passed_ends_with_timeout_and_frees_kv(loop) -> None:
+    handle = loop.submit(PROMPT, greedy(90), deadline=time.monotonic() - 1)
+    assert collect(handle)[-1].finish_reason == "timeout"
+    wait_until(lambda: kv_used(loop) == 0)
+
+
+def test_capacity_is_running_plus_job_queue(loop) -> None:
+    """max_num_seqs (4) + job_queue_size (2) in flight; the 7th is refused at once."""
+    handles = [loop.submit(PROMPT, greedy(90)) for _ in range(6)]
+    with pytest.raises(QueueFullError, match="capacity is 6"):
+        loop.submit(PROMPT, greedy(90))
+    for handle in handles:
+        handle.abort()
+    assert all(collect(h)[-1].finished for h in handles)
+
+
+def test_a_failing_step_fails_its_batch_then_the_loop_serves_again(loop, monkeypatch) -> None:
+    runner = loop.engine.runner
+    real_run = runner.run
+    calls = {"n": 0}
+
+    def fail_once(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real_run(batch)
+
+    monkeypatch.setattr(runner, "run", fail_once)
+    failed = collect(loop.submit(PROMPT, greedy(5)))
+    assert failed[-1].finish_reason == "error" and "engine failure" in failed[-1].error
+    ok = collect(loop.submit(PROMPT, greedy(5)))
+    assert ok[-1].finish_reason == "length"
+    wait_until(lambda: kv_used(loop) == 0)
+
+
+def test_repeated_failures_stop_the_loop_and_ping_turns_503(model_dir, monkeypatch) -> None:
+    engine = make_engine(model_dir, "continuous")
+    config = ServingConfig(engine=engine.config)
+    state = ServerState(config)
+    state.engine, state.loop, state.status = engine, EngineLoop(engine, 4), "ready"
+    state.loop.start()
+    client = create_app(state).test_client()
+    assert client.get("/ping").status_code == 200
+
+    def broken(batch):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "run", broken)
+    handles = [state.loop.submit(PROMPT, greedy(5)) for _ in range(4)]
+    for handle in handles:  # every accepted request ends, none hangs
+        assert collect(handle)[-1].finish_reason == "error"
+    for _ in range(3):  # three failing steps in a row: the device is gone, the loop stops
+        try:
+            handle = state.loop.submit(PROMPT, greedy(5))
+        except EngineDeadError:
+            break
+        assert collect(handle)[-1].finish_reason == "error"
+    wait_until(lambda: not state.loop.is_alive())
+    ping = client.get("/ping")
+    assert ping.status_code == 503 and ping.get_json()["code"] == 503
+    with pytest.raises(EngineDeadError):
+        state.loop.submit(PROMPT, greedy(5))
+    invoke = client.post("/invocations", json={"inputs": "hello"})
+    assert invoke.status_code == 503
+
+
+def test_shutdown_lets_running_requests_finish_within_grace(model_dir) -> None:
+    engine_loop = EngineLoop(make_engine(model_dir, "continuous"), max_queued=4)
+    engine_loop.start()
+    handle = engine_loop.submit(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                                       min_new_tokens=40))
+    engine_loop.shutdown(grace_seconds=30)
+    events = collect(handle)
+    assert events[-1].finish_reason == "length" and events[-1].num_output_tokens == 40
+    with pytest.raises(EngineDeadError):
+        engine_loop.submit(PROMPT, greedy(1))
