@@ -23,3 +23,13 @@ def test_default_model_answers_the_capital_of_france(tmp_path) -> None:
         answer = r.json()["choices"][0]["message"]["content"]
         assert "Paris" in answer, answer
         assert "SmolLM2-135M-Instruct" in r.json()["model"]
+
+
+def test_default_model_build_is_deterministic(tmp_path) -> None:
+    """A second conversion into another cache gives byte-identical files."""
+    first = ensure_default_model()
+    second = ensure_default_model(tmp_path)
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir())
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
