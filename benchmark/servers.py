@@ -24,22 +24,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_server(properties: Path, log_path: Path, model_dir: Path | None = None,
-                 ready_timeout: float = 600.0, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Yields the base URL of a ready server started with `properties`; SIGTERM on exit."""
-    port = free_port()
-    argv = [str(Path(sys.executable).parent / "batchyard"), "serve", "--properties",
-            str(properties), "--host", "127.0.0.1", "--port", str(port)]
-    if model_dir is not None:
-        argv += ["--model-dir", str(model_dir)]
+def server_process(argv: list[str], log_path: Path,
+                   env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Runs `argv` with output to `log_path`; on exit SIGTERM (the server drains), then kill."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
     try:
-        _wait(process, url, ready_timeout, log_path)
-        yield url
+        yield process
     finally:
         if process.poll() is None:
             process.terminate()
@@ -48,6 +41,21 @@ def local_server(properties: Path, log_path: Path, model_dir: Path | None = None
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+@contextlib.contextmanager
+def local_server(properties: Path, log_path: Path, model_dir: Path | None = None,
+                 ready_timeout: float = 600.0, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Yields the base URL of a ready server started with `properties`; stops it on exit."""
+    port = free_port()
+    argv = [str(Path(sys.executable).parent / "batchyard"), "serve", "--properties",
+            str(properties), "--host", "127.0.0.1", "--port", str(port)]
+    if model_dir is not None:
+        argv += ["--model-dir", str(model_dir)]
+    url = f"http://127.0.0.1:{port}"
+    with server_process(argv, log_path, env) as process:
+        _wait(process, url, ready_timeout, log_path)
+        yield url
 
 
 def _wait(process: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:

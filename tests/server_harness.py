@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+
+from benchmark.servers import free_port, server_process
 
 # The Dockerfile's ENTRYPOINT + CMD; tests/test_dockerfile.py checks they agree.
 SERVER_ARGV_PREFIX = ["batchyard", "serve"]
@@ -35,12 +35,6 @@ class Server:
                    if line.startswith(name) and line[len(name)] in " {")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_argv(model_dir: Path | None, properties: Path, port: int) -> list[str]:
     """The server command; model_dir None serves the embedded default model."""
     exe = str(BIN_DIR / SERVER_ARGV_PREFIX[0])
@@ -57,22 +51,12 @@ def running_server(tmp_path: Path, model_dir: Path | None, properties: str, env:
     props.write_text(properties)
     port = free_port()
     log_path = props.with_suffix(".log")
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(server_argv(model_dir, props, port), stdout=log,
-                                   stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = Server(f"http://127.0.0.1:{port}", process, log_path)
-    try:
+    argv = server_argv(model_dir, props, port)
+    with server_process(argv, log_path, env) as process:
+        server = Server(f"http://127.0.0.1:{port}", process, log_path)
         if wait_ready:
             wait_for_ping(server, timeout)
         yield server
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def first_answer(url: str, timeout: float) -> requests.Response:
