@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     load = sub.add_parser("load", help="closed-loop load against a running server")
     load.add_argument("--url", default="http://127.0.0.1:8080")
     load.add_argument("--json", type=Path, help="also write the report here")
+    load.add_argument("--ready-timeout", type=float, default=600.0,
+                      help="seconds to wait for /ping to answer 200")
     _load_options(load)
 
     sweep = sub.add_parser("sweep", help="start one server per properties file and load each")
@@ -61,7 +63,11 @@ def _load_options(p: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace) -> int:
     from benchmark.loadgen import HTTPTarget, run_load, wait_ready
 
-    wait_ready(args.url, 10)
+    try:
+        wait_ready(args.url, args.ready_timeout)
+    except TimeoutError as err:
+        print(f"batchyard bench: {err}", file=sys.stderr)
+        return 2
     target = HTTPTarget(args.url)
     stream = not args.no_stream
     if args.warmup:
@@ -98,11 +104,11 @@ def _stall(args: argparse.Namespace) -> int:
         with local_server(props, args.out / f"{props.stem}.server.log", args.model_dir) as url:
             reports[props.stem] = report = run_stall(url, prompt, args.decoders,
                                                      args.decode_tokens)
-        itl = report.inter_token
+        itl = {k: f"{v * 1000:.0f} ms" for k, v in report.inter_token.items()}
         print(f"{props.stem}: long prompt of {report.long_prompt_tokens} tokens answered in "
               f"{report.long_prompt_latency_s:.2f} s; inter-token latency of the "
-              f"{report.num_decoders} running requests p50 {itl['p50'] * 1000:.0f} ms, p99 "
-              f"{itl['p99'] * 1000:.0f} ms, max {report.max_inter_token_s * 1000:.0f} ms; "
+              f"{report.num_decoders} running requests p50 {itl.get('p50', '-')}, p99 "
+              f"{itl.get('p99', '-')}, max {report.max_inter_token_s * 1000:.0f} ms; "
               f"errors {report.errors}")
     (args.out / "stall.json").write_text(json.dumps({k: asdict(v) for k, v in reports.items()},
                                                     indent=2))

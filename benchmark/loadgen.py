@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -167,13 +168,14 @@ def summarize(results: list[RequestResult], concurrency: int, duration: float,
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
-    """p50/p90/p99 and mean by nearest rank; empty when there are no values."""
+    """p50/p90/p99 by nearest rank (the smallest value with at least p % of the values at or
+    below it) and the mean; empty when there are no values."""
     if not values:
         return {}
     ordered = sorted(values)
 
-    def rank(p: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
+    def rank(p: int) -> float:
+        return ordered[max(0, math.ceil(p * len(ordered) / 100) - 1)]
 
     return {"p50": rank(50), "p90": rank(90), "p99": rank(99),
             "mean": sum(ordered) / len(ordered)}

@@ -26,7 +26,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 logger = logging.getLogger(__name__)
 
 _flex_attention = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-_RECOMPILE_LIMIT = 32  # graphs per query bucket and table capacity; dynamo's default is 8
+_RECOMPILE_LIMIT = 64  # query buckets x table capacities; dynamo's default is 8
 QUERY_BLOCK = 16  # the BlockMask's query block, also the smallest query bucket
 
 
@@ -61,6 +61,9 @@ class FlexAttention(AttentionBackend):
                                if device.type == "cuda" else None)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
+        # Past the limit dynamo would run flex_attention eagerly, which materialises scores over
+        # the whole pool (out of memory on a large GPU pool): fail the step loudly instead.
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
 
     def prepare(self, meta: AttentionMetadata) -> FlexStep:
         device, g = meta.slot_mapping.device, meta.page_size

@@ -173,18 +173,20 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.STOP)
             elif seq.is_finished:
                 delta += req.text.flush()
-            events.append(self._event(req, sample.token_id, sample.logprob, delta))
+            events.append(self._event(req, sample.token_id, sample.logprob, delta,
+                                      top_logprobs=sample.top_logprobs))
         return events
 
     def _event(self, req: _Request, token_id: int | None, logprob: float | None, text: str,
-               error: str | None = None) -> TokenEvent:
+               error: str | None = None,
+               top_logprobs: tuple[tuple[int, float], ...] = ()) -> TokenEvent:
         seq = req.seq
         reason = seq.finish_reason.value if seq.finish_reason else None
         if reason is not None:
             del self._requests[seq.seq_id]
             del self._ids[req.request_id]
         return TokenEvent(req.request_id, token_id, text, logprob, seq.num_prompt_tokens,
-                          seq.num_output_tokens, reason, error)
+                          seq.num_output_tokens, reason, error, top_logprobs)
 
 
 def _check_attention(runner, asked: str) -> None:

@@ -50,10 +50,10 @@ class ModelRunner:
             return [None] * len(batch.seqs)
         rows = torch.tensor([last_rows[i] for i in sampled], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S, vocab] float32
-        token_ids, logprobs = sample(logits, [batch.seqs[i] for i in sampled])
         out: list[SampledToken | None] = [None] * len(batch.seqs)
-        for i, tok, lp in zip(sampled, token_ids, logprobs, strict=True):
-            out[i] = SampledToken(tok, lp)
+        for i, token in zip(sampled, sample(logits, [batch.seqs[i] for i in sampled]),
+                            strict=True):
+            out[i] = token
         return out
 
     def _prepare(self, batch: ScheduledBatch):

@@ -11,6 +11,7 @@ class SampledToken:
 
     token_id: int
     logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), best first
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class TokenEvent:
     num_output_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     @property
     def finished(self) -> bool:

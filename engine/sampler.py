@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from engine.outputs import SampledToken
 from engine.sequence import Sequence
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's seed space
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-    """logits [S, vocab] float32, one row per sequence → (token ids, their log-probabilities).
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    """logits [S, vocab] float32, one row per sequence → one sampled token per row.
 
     Processors run in transformers' order: repetition penalty, min-new-tokens EOS mask, then
     temperature, top-k and top-p before drawing, so greedy rows equal `generate` exactly.
@@ -20,10 +21,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     chosen = processed.argmax(dim=-1)  # [S]
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
-            chosen[i] = _draw(processed[i], seq)
-    token_ids = chosen.tolist()
+            chosen[i] = _draw(processed[i], seq, int(chosen[i]))
     picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    return token_ids, picked
+    top = _top_logprobs(logprobs, seqs)
+    return [SampledToken(token, lp, alternatives)
+            for token, lp, alternatives in zip(chosen.tolist(), picked, top, strict=True)]
+
+
+def _top_logprobs(logprobs: torch.Tensor, seqs: list[Sequence]) -> list[tuple]:
+    """The k most likely (token id, log-probability) pairs of each row that asked for them."""
+    k = max(seq.params.top_logprobs for seq in seqs)
+    if k == 0:
+        return [()] * len(seqs)
+    values, ids = logprobs.topk(k, dim=-1)  # [S, k]
+    return [tuple(zip(ids[i, :n].tolist(), values[i, :n].tolist(), strict=True))
+            for i, n in enumerate(seq.params.top_logprobs for seq in seqs)]
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -47,7 +59,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return out
 
 
-def _draw(row: torch.Tensor, seq: Sequence) -> int:
+def _draw(row: torch.Tensor, seq: Sequence, greedy_choice: int) -> int:
     """One seeded draw from temperature / top-k / top-p of one row ([vocab] float32)."""
     p = seq.params
     row = row / p.temperature
@@ -60,6 +72,9 @@ def _draw(row: torch.Tensor, seq: Sequence) -> int:
         remove = cumulative <= 1 - p.top_p
         remove[-1] = False  # always keep the most likely token
         row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    probs = row.softmax(-1)
+    if not torch.isfinite(probs).all():  # degenerate logits: never fail the whole batch
+        return greedy_choice
     generator = torch.Generator(device=row.device)
     generator.manual_seed((seq.sampling_seed * _SEED_MIX + seq.num_output_tokens) % 2**63)
-    return int(torch.multinomial(row.softmax(-1), 1, generator=generator))
+    return int(torch.multinomial(probs, 1, generator=generator))

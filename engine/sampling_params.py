@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
+# Beyond these, sampling divides by ~0 or the penalty swamps the logits: no use, only NaNs.
+TEMPERATURE_RANGE = (0.01, 100.0)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(ValueError):
@@ -30,19 +35,25 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0  # most likely alternatives reported with each token
 
     def __post_init__(self) -> None:
         _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
         _require(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                  f"must be between 0 and max_new_tokens ({self.max_new_tokens})",
                  self.min_new_tokens)
-        _require(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        low, high = TEMPERATURE_RANGE
+        _require(self.temperature == 0 or low <= self.temperature <= high, "temperature",
+                 f"must be 0 (greedy) or between {low:g} and {high:g}", self.temperature)
         _require(not self.do_sample or self.temperature > 0, "temperature",
                  "must be > 0 when do_sample is true", self.temperature)
         _require(self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)", self.top_k)
         _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0",
-                 self.repetition_penalty)
+        low, high = REPETITION_PENALTY_RANGE
+        _require(low <= self.repetition_penalty <= high, "repetition_penalty",
+                 f"must be between {low:g} and {high:g}", self.repetition_penalty)
+        _require(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+                 f"must be between 0 and {MAX_TOP_LOGPROBS}", self.top_logprobs)
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed",
                  "must be an integer in [0, 2**63)", self.seed)
         _require(len(self.stop) <= MAX_STOP_SEQUENCES, "stop_sequences",
@@ -57,5 +68,9 @@ class SamplingParams:
 
 
 def _require(ok: bool, field: str, rule: str, given: object) -> None:
+    if isinstance(given, float) and not math.isfinite(given):
+        ok = False
     if not ok:
-        raise RequestError(f"parameters.{field} {rule} (given: {given!r})", field=field)
+        shown = repr(given)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise RequestError(f"parameters.{field} {rule} (given: {shown})", field=field)

@@ -58,25 +58,29 @@ def create_app(state: ServerState) -> Flask:
 
     @app.errorhandler(HTTPError)
     def on_http_error(err: HTTPError):
-        return _error(err)
+        return _counted_error(state, err)
 
     @app.errorhandler(HTTPException)
     def on_werkzeug_error(err: HTTPException):
         if err.code == 413:
             limit = state.config.max_request_bytes
-            return _error(HTTPError(413, "PayloadTooLarge",
-                                    f"request body exceeds option.max_request_size={limit} bytes"))
-        return _error(HTTPError(err.code or 500, type(err).__name__, err.description or ""))
+            return _counted_error(state, HTTPError(
+                413, "PayloadTooLarge", f"request body exceeds option.max_request_size={limit} "
+                "bytes"))
+        return _counted_error(state, HTTPError(err.code or 500, type(err).__name__,
+                                               err.description or ""))
 
     @app.errorhandler(Exception)
     def on_unexpected(err: Exception):
         logger.exception("unhandled error in request")
-        return _error(HTTPError(500, "InternalServerError", "internal error; see server logs"))
+        return _counted_error(state, HTTPError(500, "InternalServerError",
+                                               "internal error; see server logs"))
 
     return app
 
 
 def _serve(state: ServerState, chat_only: bool) -> Response:
+    start = time.monotonic()
     if not state.ready():
         raise HTTPError(503, "ServiceUnavailable", f"not ready: model is {state.status}")
     body = _read_body()
@@ -87,20 +91,29 @@ def _serve(state: ServerState, chat_only: bool) -> Response:
         if "messages" not in body:
             raise bad_request("field messages is required")
         chat = parse_chat(body, wants_stream)
-        handle = _submit(state, state.encode_chat(chat.messages), chat.params, chat.stream)
+        try:
+            prompt = state.encode_chat(chat.messages)
+        except RequestError as err:
+            raise bad_request(str(err)) from err
+        handle = _submit(state, prompt, chat.params, chat.stream)
         if chat.stream:
-            return _stream(_chat_lines(state, chat, handle), handle, state, sse, done=sse)
-        return _json(chat_completion(chat, state.model_name, _collect(state, handle)), 200)
+            return _stream(_chat_lines(state, chat, handle), handle, state, sse, sse, start)
+        events = _collect(state, handle, start)
+        return _json(chat_completion(chat, state.model_name, events, state.token_text), 200)
     gen = parse_generate(body, wants_stream)
     prompts = [state.encode(text) for text in gen.inputs]
     for ids in prompts:  # one invalid input fails the request before anything is submitted
         _validate(state, ids, gen)
     if gen.stream:
         handle = _submit(state, prompts[0], gen.params, stream=True)
-        return _stream(_generate_lines(gen, handle), handle, state, sse, done=False)
+        return _stream(_generate_lines(gen, handle), handle, state, sse, False, start)
     handles = _submit_all(state, prompts, gen)
-    results = [generation_dict(_collect(state, h), text, gen)
-               for h, text in zip(handles, gen.inputs, strict=True)]
+    try:
+        results = [generation_dict(_collect(state, h, start), text, gen)
+                   for h, text in zip(handles, gen.inputs, strict=True)]
+    finally:
+        for handle in handles:  # no-op when finished; frees the rest when one input failed
+            handle.abort()
     return _json(results if gen.is_list else results[0], 200)
 
 
@@ -113,12 +126,28 @@ def _read_body() -> dict:
         raise HTTPError(415, "UnsupportedMediaType",
                         f"content type {mimetype} is not supported; use application/json")
     try:
-        body = json.loads(raw or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise bad_request(f"malformed JSON body: {err}") from err
+        body = json.loads(raw or b"{}", parse_constant=_non_finite, parse_float=_finite)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # lone surrogates: not text
+    except (json.JSONDecodeError, UnicodeDecodeError, UnicodeEncodeError, ValueError) as err:
+        raise bad_request(f"malformed JSON body: {_short(str(err))}") from err
     if not isinstance(body, dict):
         raise bad_request("the JSON body must be an object")
     return body
+
+
+def _non_finite(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {_short(text)} is out of range")
+    return value
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _validate(state: ServerState, ids: list[int], gen: GenerateRequest) -> None:
@@ -155,9 +184,8 @@ def _submit_all(state: ServerState, prompts: list[list[int]],
     return handles
 
 
-def _collect(state: ServerState, handle: RequestHandle) -> list[TokenEvent]:
+def _collect(state: ServerState, handle: RequestHandle, start: float) -> list[TokenEvent]:
     """Wait for a non-streaming request's events; an abnormal end becomes an HTTP error."""
-    start = time.monotonic()
     events, times = [], []
     for event in handle.events():
         events.append(event)
@@ -168,6 +196,7 @@ def _collect(state: ServerState, handle: RequestHandle) -> list[TokenEvent]:
     state.metrics.on_request(status, handle.num_prompt_tokens, times, start, time.monotonic())
     _log(handle, events[-1], start, times)
     if error is not None:
+        error.counted = True
         raise error
     return events
 
@@ -189,16 +218,16 @@ def _generate_lines(gen: GenerateRequest, handle: RequestHandle) -> Lines:
 def _chat_lines(state: ServerState, chat: ChatRequest, handle: RequestHandle) -> Lines:
     first = True
     for event in handle.events():
-        yield chat_chunk(chat, state.model_name, event, first), event
+        yield chat_chunk(chat, state.model_name, event, first, state.token_text), event
         first = False
 
 
 def _stream(lines: Lines, handle: RequestHandle, state: ServerState, sse: bool,
-            done: bool) -> Response:
+            done: bool, start: float) -> Response:
     """Write lines as they come; a client that goes away aborts its request (frees its KV)."""
 
     def generate() -> Iterator[str]:
-        start, times, last = time.monotonic(), [], None
+        times, last = [], None
         try:
             for line, event in lines:
                 last = event
@@ -239,6 +268,13 @@ def _log(handle: RequestHandle, last: TokenEvent, start: float, times: list[floa
 
 def _json(payload, status: int) -> Response:
     return Response(json.dumps(payload), status=status, mimetype="application/json")
+
+
+def _counted_error(state: ServerState, err: HTTPError) -> Response:
+    """An error answer, counted in the request metrics unless its request already was."""
+    if not err.counted:
+        state.metrics.requests.labels(str(err.code)).inc()
+    return _error(err)
 
 
 def _error(err: HTTPError) -> Response:

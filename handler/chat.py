@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import TokenEvent
@@ -39,24 +40,33 @@ def parse_chat(body: dict, wants_stream: bool) -> ChatRequest:
         raise bad_request("messages must be a non-empty list of {role: str, content: str}")
     if body.get("n", 1) != 1:
         raise bad_request("n must be 1 (one choice per request)")
-    for name in ("frequency_penalty", "presence_penalty", "top_logprobs"):
+    for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name, 0) not in (0, None):
             raise bad_request(f"{name} is not supported (must be 0 or absent)")
     logprobs = body.get("logprobs", False)
     stream = body.get("stream", wants_stream)
     if not isinstance(logprobs, bool) or not isinstance(stream, bool):
         raise bad_request("logprobs and stream must be booleans")
+    top_logprobs = body.get("top_logprobs") or 0
+    if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or (
+            top_logprobs and not logprobs):
+        raise bad_request("top_logprobs must be an integer from 0 to 20, with logprobs true")
     parameters = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos")
                   if body.get(k) is not None}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         parameters["max_new_tokens"] = max_tokens
-    return ChatRequest(messages, sampling_params(parameters), stream, logprobs,
+    return ChatRequest(messages, sampling_params(parameters, top_logprobs), stream, logprobs,
                        f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
 
 
-def _logprobs(events: list[TokenEvent]) -> dict:
-    return {"content": [{"token": e.text, "logprob": e.logprob, "top_logprobs": []}
+def _logprobs(events: list[TokenEvent], decode: Callable[[int], str]) -> dict:
+    """OpenAI's logprobs.content: each token, its log-probability and the top alternatives."""
+    def entry(text: str, logprob: float | None) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(e.text, e.logprob),
+                         "top_logprobs": [entry(decode(i), lp) for i, lp in e.top_logprobs]}
                         for e in events if e.token_id is not None]}
 
 
@@ -65,20 +75,22 @@ def _usage(last: TokenEvent) -> dict:
             "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
 
 
-def chat_completion(req: ChatRequest, model: str, events: list[TokenEvent]) -> dict:
+def chat_completion(req: ChatRequest, model: str, events: list[TokenEvent],
+                    decode: Callable[[int], str]) -> dict:
     last = events[-1]
     return {
         "id": req.completion_id, "object": "chat.completion", "created": req.created,
         "model": model,
         "choices": [{"index": 0,
                      "message": {"role": "assistant", "content": "".join(e.text for e in events)},
-                     "logprobs": _logprobs(events) if req.logprobs else None,
+                     "logprobs": _logprobs(events, decode) if req.logprobs else None,
                      "finish_reason": _FINISH.get(last.finish_reason or "", "stop")}],
         "usage": _usage(last),
     }
 
 
-def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, first: bool) -> dict:
+def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, first: bool,
+               decode: Callable[[int], str]) -> dict:
     """One streamed chunk: the role first, then content deltas; the last has finish + usage."""
     delta: dict = {"role": "assistant", "content": ""} if first else {}
     if event is not None and event.text:
@@ -87,7 +99,7 @@ def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, first: bo
              "model": model,
              "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
     if event is not None and req.logprobs and event.token_id is not None:
-        chunk["choices"][0]["logprobs"] = _logprobs([event])
+        chunk["choices"][0]["logprobs"] = _logprobs([event], decode)
     if event is not None and event.finished:
         chunk["choices"][0]["finish_reason"] = _FINISH.get(event.finish_reason or "", "stop")
         chunk["usage"] = _usage(event)

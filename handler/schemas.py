@@ -18,6 +18,7 @@ class HTTPError(Exception):
         super().__init__(message)
         self.code, self.type, self.message = code, type_, message
         self.headers = headers or {}
+        self.counted = False  # already in the request metrics (it ended a generation)
 
     def body(self) -> dict:
         return {"code": self.code, "type": self.type, "message": self.message}
@@ -75,7 +76,7 @@ def parse_generate(body: dict, wants_stream: bool) -> GenerateRequest:
                            _flag(parameters, "details"), _flag(parameters, "return_full_text"))
 
 
-def sampling_params(parameters: dict) -> SamplingParams:
+def sampling_params(parameters: dict, top_logprobs: int = 0) -> SamplingParams:
     """LMI/TGI parameter names → SamplingParams; unknown names and wrong types are errors."""
     unknown = sorted(set(parameters) - set(_PARAMETERS))
     if unknown:
@@ -91,18 +92,25 @@ def sampling_params(parameters: dict) -> SamplingParams:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
         raise bad_request("parameters.stop_sequences must be a list of strings")
-    sampling_knobs = ("temperature", "top_k", "top_p")
-    inferred = any(k in p and p[k] != d for k, d in zip(sampling_knobs, (1.0, 0, 1.0), strict=True))
-    do_sample = p.get("do_sample", inferred)
+    do_sample = p.get("do_sample", _sampling_inferred(p))
     try:
         return SamplingParams(
             max_new_tokens=p.get("max_new_tokens", 30), min_new_tokens=p.get("min_new_tokens", 0),
             do_sample=do_sample, temperature=float(p.get("temperature", 1.0)),
             top_k=p.get("top_k", 0), top_p=float(p.get("top_p", 1.0)),
             repetition_penalty=float(p.get("repetition_penalty", 1.0)), seed=p.get("seed"),
-            stop=tuple(stop), ignore_eos=p.get("ignore_eos_token", p.get("ignore_eos", False)))
+            stop=tuple(stop), ignore_eos=p.get("ignore_eos_token", p.get("ignore_eos", False)),
+            top_logprobs=top_logprobs)
     except RequestError as err:
         raise bad_request(str(err)) from err
+
+
+def _sampling_inferred(p: dict) -> bool:
+    """LMI >= 0.32 and vLLM: sampling when a knob asks for it; temperature 0 means greedy."""
+    if p.get("temperature") == 0:
+        return False
+    return (p.get("temperature", 1.0) != 1.0 or p.get("top_k", 0) > 0
+            or p.get("top_p", 1.0) < 1.0)
 
 
 def _flag(parameters: dict, name: str) -> bool:

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 from engine import EngineLoop, LLMEngine, RequestError, SamplingParams
 from handler.metrics import Metrics
 from handler.serving_config import ServingConfig
@@ -50,9 +52,19 @@ class ServerState:
             if not tokenizer.chat_template:
                 raise RequestError("this model has no chat template; send {\"inputs\": ...}",
                                    "messages")
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=False)
+            try:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=False)
+            except TemplateError as err:  # e.g. the template wants alternating roles
+                raise RequestError(f"messages do not fit the model's chat template: {err}",
+                                   "messages") from err
             return tokenizer.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (for logprob alternatives)."""
+        assert self.engine is not None
+        with self._tokenizer_lock:
+            return self.engine.tokenizer.decode([token_id])
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         assert self.engine is not None

@@ -29,8 +29,11 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def metric(self, name: str) -> float:
-        """Sum of a metric's samples (labels ignored) from /metrics."""
+        """Sum of a metric's samples from /metrics: all labels, or those in `name{k="v"}`."""
         text = requests.get(f"{self.url}/metrics", timeout=5).text
+        if "{" in name:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(name + " "))
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name) and line[len(name)] in " {")
 

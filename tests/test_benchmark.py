@@ -8,7 +8,7 @@ import pytest
 
 from benchmark.cli import main as bench_main
 from benchmark.decode import run_decode
-from benchmark.loadgen import HTTPTarget, run_load
+from benchmark.loadgen import HTTPTarget, percentiles, run_load
 from benchmark.servers import ServerStartError, local_server
 from benchmark.stall import run_stall
 from benchmark.sweep import run_sweep
@@ -89,3 +89,11 @@ def test_bench_load_command_exits_0(model_dir, tmp_path, capsys) -> None:
                            "--json", str(tmp_path / "load.json")])
     assert code == 0 and "requests/s" in capsys.readouterr().out
     assert json.loads((tmp_path / "load.json").read_text())["num_requests"] == 3
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentiles(values) == {"p50": 50.0, "p90": 90.0, "p99": 99.0, "mean": 50.5}
+    five = percentiles([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (five["p50"], five["p90"], five["p99"]) == (3.0, 5.0, 5.0)
+    assert percentiles([]) == {} and percentiles([7.0])["p99"] == 7.0

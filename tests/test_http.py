@@ -83,14 +83,19 @@ def test_disconnecting_stream_aborts_and_frees_kv(server) -> None:
     """A streaming client that goes away: its request ends and its KV block is freed."""
     body = {"inputs": "long", "parameters": {"max_new_tokens": 2000, "ignore_eos": True},
             "stream": True}
+    closed = 'batchyard_requests_total{status="499"}'
+    before = server.metric(closed)
     r = post(server.url, body, stream=True)
     lines = r.iter_lines()
     next(lines), next(lines)
     assert server.metric("batchyard_kv_blocks_used") >= 1
     r.close()
     end = time.monotonic() + 10
+    while time.monotonic() < end and server.metric(closed) == before:
+        time.sleep(0.05)
+    assert server.metric(closed) == before + 1, "the request ran on: it was not aborted"
     while time.monotonic() < end and server.metric("batchyard_kv_blocks_used") > 0:
-        time.sleep(0.1)
+        time.sleep(0.05)  # the abort reaches the engine loop on its next iteration
     assert server.metric("batchyard_kv_blocks_used") == 0
     assert server.metric("batchyard_running_sequences") == 0
 
@@ -111,6 +116,14 @@ def test_disconnecting_stream_aborts_and_frees_kv(server) -> None:
     ({"inputs": ["x"] * 65}, {}, 400, "1 to 64"),
     ({"inputs": ["x", "y"], "stream": True}, {}, 400, "single input"),
     ({"messages": [{"role": "user"}]}, {}, 400, "messages"),
+    ({"inputs": "x", "parameters": {"temperature": 1e-300}}, {}, 400, "temperature"),
+    ({"inputs": "x", "parameters": {"repetition_penalty": 1000}}, {}, 400,
+     "repetition_penalty"),
+    (b'{"inputs": "x", "parameters": {"temperature": Infinity}}', {}, 400, "Infinity"),
+    (b'{"inputs": "x", "parameters": {"top_p": 1e999}}', {}, 400, "out of range"),
+    (b'{"inputs": "a\\ud800"}', {}, 400, "malformed JSON"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 2},
+     {}, 400, "top_logprobs"),
 ])
 def test_validation_table(server, body, headers, code, words) -> None:
     """Bad requests get a JSON error naming the field and the limit; never a 500."""
@@ -120,6 +133,39 @@ def test_validation_table(server, body, headers, code, words) -> None:
     assert r.status_code == code, r.text
     err = r.json()
     assert err["code"] == code and words in err["message"] and "Traceback" not in r.text
+
+
+def test_temperature_0_is_greedy(server) -> None:
+    """OpenAI clients send temperature 0 for greedy output; it is not an error."""
+    body = {"inputs": "Once upon", "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
+    greedy = post(server.url, body).json()["generated_text"]
+    zero = post(server.url, {**body, "parameters": {**body["parameters"], "temperature": 0,
+                                                    "top_k": 5}})
+    assert zero.status_code == 200 and zero.json()["generated_text"] == greedy
+
+
+def test_rejected_requests_are_counted_by_status(server) -> None:
+    metric = 'batchyard_requests_total{status="400"}'
+    before = server.metric(metric)
+    assert post(server.url, {"inputs": ""}).status_code == 400
+    assert post(server.url, {"inputs": "x", "parameters": {"top_k": -1}}).status_code == 400
+    assert server.metric(metric) == before + 2
+
+
+def test_chat_top_logprobs(server) -> None:
+    """Each token comes with its k most likely alternatives; greedy picks the first."""
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+    content = requests.post(f"{server.url}/v1/chat/completions", json=body,
+                            timeout=30).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for token in content:
+        alternatives = token["top_logprobs"]
+        assert len(alternatives) == 3
+        assert [a["logprob"] for a in alternatives] == sorted(
+            (a["logprob"] for a in alternatives), reverse=True)
+        assert alternatives[0]["logprob"] == pytest.approx(token["logprob"])
+        assert bytes(token["bytes"]).decode() == token["token"]
 
 
 def test_chat_completions_plain_and_streaming(server) -> None:

@@ -48,6 +48,17 @@ def test_chunk_budgets_and_prefix_cache_keep_greedy_output(tiny, budget, prefix)
         assert engine.scheduler.block_manager.prefix_hits > 0
 
 
+@pytest.mark.parametrize("block_size", [32, 12])
+def test_blocks_of_several_pages_keep_greedy_output(tiny, block_size) -> None:
+    """A block of 32 is gathered as 2 pages of 16; a block of 12 as one page of 12."""
+    path, prompts, new_tokens, refs = tiny
+    reqs = requests(prompts, new_tokens)
+    engine = make_engine(path, "paged", max_num_batched_tokens=7, block_size=block_size,
+                         enable_prefix_caching=True)
+    drive(engine, reqs)
+    assert [r.tokens for r in reqs] == refs
+
+
 def test_unchunked_prefill_keeps_greedy_output(tiny) -> None:
     path, prompts, new_tokens, refs = tiny
     reqs = requests(prompts, new_tokens)
