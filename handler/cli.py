@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmark.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "deploy":
+        from deploy.cli import main as deploy_main
+
+        return deploy_main(argv[1:])
     if argv and argv[0] == "build-default-model":
         from handler.default_model import main as build_main
 
@@ -62,9 +67,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def resolve_config(args: argparse.Namespace, environ):
-    """(ServingConfig, model preparation to run while loading or None); raises ConfigError."""
+    """(ServingConfig, model preparation to run while loading or None); raises ConfigError.
+
+    Needs no network: a model that is built (the default model) or downloaded (s3://) on first
+    use is prepared by the returned callable in the loader thread, while /ping answers 503.
+    """
     from handler.default_model import default_model_dir, ensure_default_model
     from handler.model_store import SAGEMAKER_MODEL_DIR, resolve_model_dir
+    from handler.s3_model import is_complete, is_s3_uri
     from handler.serving_config import build_serving_config
 
     properties = args.properties or _env_path(environ, "BATCHYARD_PROPERTIES")
@@ -73,15 +83,44 @@ def resolve_config(args: argparse.Namespace, environ):
         properties = candidate if candidate.is_file() else None
     settings = collect_settings(properties, environ)
     cache_dir = _env_path(environ, "BATCHYARD_CACHE_DIR")
-    model_dir = resolve_model_dir(args.model_dir, model_id_setting(settings), cache_dir,
-                                  build_default=False)
+    model_id = model_id_setting(settings)
+    model_dir = resolve_model_dir(args.model_dir, model_id, cache_dir, fetch=False)
     prepare = None
+    if args.model_dir is None and is_s3_uri(model_id) and not is_complete(model_dir):
+        return _s3_config(settings, model_id, model_dir, cache_dir, environ)
     if model_dir == default_model_dir(cache_dir) and not (model_dir / "config.json").exists():
         prepare = lambda: ensure_default_model(cache_dir)  # noqa: E731  (built while /ping 503)
         architectures = ["LlamaForCausalLM"]
     else:
         architectures = json.loads((model_dir / "config.json").read_text()).get("architectures", [])
     return build_serving_config(settings, model_dir, architectures), prepare
+
+
+def _s3_config(settings, model_id: str, model_dir: Path, cache_dir: Path | None, environ):
+    """An s3:// model not downloaded yet: its config.json is not read at start-up (that would
+    delay binding the port by a network round trip, or fail it). Only option.rolling_batch=auto
+    depends on the architecture; it is resolved as for a native one, since the engine loads
+    nothing else, and the downloaded config.json is checked before the engine is built."""
+    from handler.s3_model import download_model
+    from handler.serving_config import NATIVE_ARCHITECTURES, build_serving_config
+
+    config = build_serving_config(settings, model_dir, sorted(NATIVE_ARCHITECTURES))
+    rolling = settings.get("option.rolling_batch")
+    auto = rolling is not None and rolling.value.strip().lower() == "auto"
+    if auto:
+        config = dataclasses.replace(config, strategy_reason=config.strategy_reason + (
+            f" (assumed until {model_id} is downloaded, checked then)"))
+
+    def prepare() -> Path:
+        path = download_model(model_id, cache_dir, environ)
+        architectures = json.loads((path / "config.json").read_text()).get("architectures", [])
+        if auto and not any(a in NATIVE_ARCHITECTURES for a in architectures):
+            raise ValueError(f"{model_id} holds {architectures or 'no architecture'}: "
+                             "option.rolling_batch=auto was resolved for a native architecture "
+                             f"({', '.join(sorted(NATIVE_ARCHITECTURES))}) before the download")
+        return path
+
+    return config, prepare
 
 
 def _env_path(environ, name: str) -> Path | None:

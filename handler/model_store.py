@@ -1,4 +1,5 @@
-"""Which model folder to serve: --model-dir, option.model_id, /opt/ml/model or the default model."""
+"""Which model folder to serve: --model-dir, option.model_id (a local path or s3://bucket/prefix),
+/opt/ml/model or the default model."""
 
 from __future__ import annotations
 
@@ -34,27 +35,30 @@ def check_model_dir(path: Path) -> Path:
 
 
 def resolve_model_dir(model_dir: Path | None, model_id: str | None, cache_dir: Path | None,
-                      root: Path = SAGEMAKER_MODEL_DIR, build_default: bool = True) -> Path:
+                      root: Path = SAGEMAKER_MODEL_DIR, fetch: bool = True) -> Path:
     """The folder to load, in LMI's order; the embedded default model when nothing is given.
 
-    With build_default=False the default model's folder is returned even if not built yet.
+    With fetch=False, folders made on first use (the default model, an s3:// model's download)
+    are returned even if not there yet, and nothing is built or downloaded.
     """
     if model_dir is not None:
         return check_model_dir(model_dir)
     if model_id:
+        from handler.s3_model import download_model, is_s3_uri, s3_cache_dir
+
+        if is_s3_uri(model_id):
+            return download_model(model_id, cache_dir) if fetch else s3_cache_dir(model_id,
+                                                                                  cache_dir)
         return check_model_dir(_local_model_id(model_id, root))
     if is_model_dir(root):
         return root
     from handler.default_model import default_model_dir, ensure_default_model
 
     logger.info("no model given and %s holds none: serving the embedded default model", root)
-    return ensure_default_model(cache_dir) if build_default else default_model_dir(cache_dir)
+    return ensure_default_model(cache_dir) if fetch else default_model_dir(cache_dir)
 
 
 def _local_model_id(model_id: str, root: Path) -> Path:
-    if model_id.startswith("s3://"):
-        raise ValueError(f"option.model_id={model_id}: downloading from S3 is not available in "
-                         "this build; copy the model to a local folder or /opt/ml/model")
     path = Path(model_id)
     if path.is_absolute():
         return path  # an operator's deliberate choice, like LMI's local paths

@@ -54,7 +54,6 @@ def test_sagemaker_model_dir_is_used_when_it_holds_a_model(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("model_id", "message"), [
-    ("s3://bucket/prefix", "S3 is not available"),
     ("HuggingFaceTB/SmolLM2-135M-Instruct", "model hubs are not reachable"),
 ])
 def test_unreachable_sources_are_refused_clearly(tmp_path, model_id, message) -> None:
