@@ -15,6 +15,7 @@ from handler.properties import ConfigError, collect_settings, model_id_setting
 logger = logging.getLogger("batchyard")
 
 DEFAULT_PORT = 8080
+HTTP_SPARE_THREADS = 16
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +61,10 @@ def run_serve(args: argparse.Namespace) -> int:
     port = args.port or int(os.environ.get("SAGEMAKER_BIND_TO_PORT") or DEFAULT_PORT)
     # Test-only hook: stretches the loading phase so that /ping 503 can be observed.
     delay = float(os.environ.get("BATCHYARD_TEST_LOAD_DELAY", "0"))
-    threads = int(os.environ.get("BATCHYARD_HTTP_THREADS", "128"))
+    # A thread per request in flight (running + job_queue_size) and a few for /ping and
+    # /metrics, so that the queue, not the thread pool, is what turns requests away (503).
+    spare = config.engine.max_num_seqs + config.job_queue_size + HTTP_SPARE_THREADS
+    threads = int(os.environ.get("BATCHYARD_HTTP_THREADS") or spare)
     run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay), args.host, port,
                threads)
     return 0

@@ -49,7 +49,7 @@ def run_server(make_state: Callable[[], ServerState], host: str, port: int,
     """Serve until SIGTERM/SIGINT (exit 0) or a failed model load (exit 3)."""
     options = {
         "bind": f"{host}:{port}", "workers": 1, "worker_class": "gthread", "threads": threads,
-        "worker_connections": max(1000, 2 * threads),
+        "worker_connections": max(1000, threads + 64),
         # The gthread worker's main loop heartbeats while requests run: long generations are
         # never killed by this timeout.
         "timeout": 120, "graceful_timeout": DRAIN_SECONDS, "keepalive": 5,

@@ -212,6 +212,8 @@ def test_loading_queue_full_and_predict_timeout(model_dir, tmp_path) -> None:
         ping = first_answer(f"{srv.url}/ping", timeout=60)
         assert ping.status_code == 503 and "loading" in ping.json()["message"]
         wait_for_ping(srv, 60)
+        # A thread for each request in flight (1 running + job_queue_size 1) and 16 spare.
+        assert "(1 worker, 18 threads)" in srv.log()
         slow = {"inputs": "x", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(post, srv.url, slow) for _ in range(4)]
