@@ -51,8 +51,13 @@ def plan_kv(config: EngineConfig, max_model_len: int, bytes_per_token: int,
             f"KV budget ({sized_by}) holds {tokens} tokens, less than one block of "
             f"{block_size} tokens ({'max_model_len' if config.is_contiguous else 'block_size'}); "
             "raise kv_cache_memory / num_kv_blocks or lower max_model_len")
-    max_concurrency = num_blocks * block_size // max_model_len
-    return KVPlan(num_blocks, block_size, bytes_per_token, max_concurrency, sized_by)
+    return KVPlan(num_blocks, block_size, bytes_per_token,
+                  max_concurrency(num_blocks, block_size, max_model_len), sized_by)
+
+
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> int:
+    """Sequences of max_model_len tokens a pool of num_blocks blocks holds at once."""
+    return num_blocks * block_size // max_model_len
 
 
 def build_allocator(config: EngineConfig, plan: KVPlan) -> KVAllocator:

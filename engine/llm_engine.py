@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalText
-from engine.kv_budget import build_allocator, default_budget_bytes, plan_kv
+from engine.kv_budget import build_allocator, default_budget_bytes, max_concurrency, plan_kv
 from engine.outputs import SampledToken, StepStats, TokenEvent
 from engine.sampling_params import RequestError, SamplingParams
 from engine.scheduler import SCHEDULERS, ScheduledBatch, Scheduler
@@ -134,7 +134,7 @@ class LLMEngine:
     def max_concurrency(self) -> int:
         """Sequences of max_model_len tokens the KV pool holds at once."""
         allocator = self.scheduler.allocator
-        return allocator.num_blocks * allocator.block_size // self.max_model_len
+        return max_concurrency(allocator.num_blocks, allocator.block_size, self.max_model_len)
 
     # --- the step ---
 

@@ -96,7 +96,7 @@ def _as_model_error(state: ServerState, call) -> Response:
         return call()
     except (HTTPError, HTTPException) as err:
         error = err if isinstance(err, HTTPError) else _from_werkzeug(state, err)
-        _counted_error(state, error)
+        _count(state, error)
         return sagemaker_runtime.model_error(error)
 
 
@@ -190,10 +190,14 @@ def _from_werkzeug(state: ServerState, err: HTTPException) -> HTTPError:
     return HTTPError(err.code or 500, type(err).__name__, err.description or "")
 
 
-def _counted_error(state: ServerState, err: HTTPError) -> Response:
-    """An error answer, counted in the request metrics unless its request already was."""
+def _count(state: ServerState, err: HTTPError) -> None:
+    """Count an error answer in the request metrics unless its request already was."""
     if not err.counted:
         state.metrics.requests.labels(str(err.code)).inc()
+
+
+def _counted_error(state: ServerState, err: HTTPError) -> Response:
+    _count(state, err)
     return _error(err)
 
 
