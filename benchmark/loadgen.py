@@ -1,8 +1,9 @@
-"""Closed-loop load generator against a running batchyard (or any LMI-schema) endpoint.
+"""Load generator against a running batchyard (or any LMI-schema) endpoint.
 
-C clients each send their next request as soon as the previous one is answered, until N
-requests are done (the LMI study's awscurl method). Streaming requests time every token, so the
-report has TTFT and inter-token latency besides end-to-end latency.
+By default C clients each send their next request as soon as the previous one is answered,
+until N requests are done (the LMI study's awscurl method); Poisson arrivals and a duration are
+the alternatives. Streaming requests time every token, so the report has TTFT and inter-token
+latency besides end-to-end latency.
 """
 
 from __future__ import annotations
@@ -10,84 +11,20 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import requests
 from tqdm import tqdm
 
 from benchmark.server_metrics import ServerSnapshot, scrape
+from benchmark.targets import HTTPTarget, RequestResult, SageMakerTarget, Target
 from benchmark.workloads import Job
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestResult:
-    """One request as the client saw it; times are time.perf_counter() seconds."""
-
-    ok: bool
-    start: float
-    end: float
-    token_times: list[float] = field(default_factory=list)
-    num_output_tokens: int = 0
-    status: int = 0
-    error: str = ""
-    num_prompt_tokens: int = 0
-
-
-class HTTPTarget:
-    """POST /invocations over one keep-alive session per client thread."""
-
-    def __init__(self, url: str, timeout: float = 600.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self._local = threading.local()
-
-    def send(self, job: Job, stream: bool,
-             on_token: Callable[[int], None] | None = None) -> RequestResult:
-        """One request; `on_token(n)` is called as the n-th streamed token arrives."""
-        session = getattr(self._local, "session", None) or requests.Session()
-        self._local.session = session
-        start = time.perf_counter()
-        try:
-            r = session.post(f"{self.url}/invocations", json=job.body(stream),
-                             stream=stream, timeout=self.timeout)
-            if r.status_code != 200:
-                return RequestResult(False, start, time.perf_counter(), status=r.status_code,
-                                     error=r.text[:200])
-            return _read_stream(r, start, on_token) if stream else _read_json(r, start)
-        except (requests.RequestException, ValueError) as err:
-            return RequestResult(False, start, time.perf_counter(), error=str(err)[:200])
-
-
-def _read_json(r: requests.Response, start: float) -> RequestResult:
-    body = r.json()
-    end = time.perf_counter()
-    details = body.get("details", {})
-    return RequestResult(True, start, end, [], details.get("generated_tokens", 0), 200,
-                         num_prompt_tokens=details.get("inputs", 0))
-
-
-def _read_stream(r: requests.Response, start: float,
-                 on_token: Callable[[int], None] | None) -> RequestResult:
-    times: list[float] = []
-    last: dict = {}
-    for line in r.iter_lines():
-        if not line:
-            continue
-        last = json.loads(line.removeprefix(b"data: "))
-        if "token" in last:
-            times.append(time.perf_counter())
-            if on_token is not None:
-                on_token(len(times))
-    details = last.get("details", {})
-    ok = details.get("finish_reason") in ("length", "eos_token", "stop_sequence")
-    return RequestResult(ok, start, time.perf_counter(), times, len(times), 200,
-                         "" if ok else str(last)[:200], details.get("inputs", 0))
 
 
 @dataclass
@@ -105,6 +42,10 @@ class LoadReport:
     e2e: dict[str, float]
     server: dict[str, float]
     errors: list[str]
+    mean_prompt_tokens: float = 0.0  # as the server counted them (0 when it does not say)
+    mean_output_tokens: float = 0.0
+    # Raw seconds behind the percentiles, for CDFs: per request (e2e, ttft), per gap (inter_token).
+    samples: dict[str, list[float]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -123,34 +64,98 @@ class LoadReport:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def run_load(target: HTTPTarget, jobs: list[Job], concurrency: int, stream: bool = True,
+@dataclass(frozen=True)
+class LoadPlan:
+    """How the load is sent: `concurrency` clients in a closed loop (each sends its next request
+    when the previous one is answered), or Poisson arrivals at `request_rate` per second with at
+    most `concurrency` in flight. It stops after `num_requests`, or after `duration_s` seconds
+    (requests in flight then are still waited for), whichever comes first."""
+
+    concurrency: int = 32
+    num_requests: int | None = 96
+    duration_s: float | None = None
+    request_rate: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if self.num_requests is None and self.duration_s is None:
+            raise ValueError("give a number of requests or a duration")
+        if self.request_rate is not None and self.request_rate <= 0:
+            raise ValueError("request rate must be > 0 requests/s")
+
+    def describe(self) -> str:
+        mode = (f"Poisson arrivals at {self.request_rate:g} req/s, at most {self.concurrency} in "
+                f"flight (seed {self.seed})" if self.request_rate else
+                f"closed loop, {self.concurrency} clients")
+        stop = [f"{self.num_requests} requests"] if self.num_requests is not None else []
+        stop += [f"{self.duration_s:g} s"] if self.duration_s is not None else []
+        return f"{mode}, until {' or '.join(stop)}"
+
+
+def run_load(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool = True,
              metrics_url: str | None = None, progress: bool = True) -> LoadReport:
-    """Send `jobs` with `concurrency` clients in a closed loop; summarize what came back."""
+    """Send `jobs` (cycled) as `plan` says; summarize what came back."""
     before = scrape(metrics_url) if metrics_url else None
-    pending = iter(list(enumerate(jobs)))
-    lock = threading.Lock()
-    results: list[RequestResult | None] = [None] * len(jobs)
-    bar = tqdm(total=len(jobs), unit="req", disable=not progress, desc="requests")
-
-    def client() -> None:
-        while True:
-            with lock:
-                item = next(pending, None)
-            if item is None:
-                return
-            i, job = item
-            results[i] = target.send(job, stream)
-            bar.update(1)
-
+    bar = tqdm(total=plan.num_requests, unit="req", disable=not progress, desc="requests")
     started = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        for future in [pool.submit(client) for _ in range(concurrency)]:
-            future.result()
+    deadline = started + plan.duration_s if plan.duration_s is not None else math.inf
+    limit = plan.num_requests if plan.num_requests is not None else math.inf
+    send = _poisson if plan.request_rate else _closed_loop
+    results = send(target, jobs, plan, stream, deadline, limit, bar)
     duration = time.perf_counter() - started
     bar.close()
     after = scrape(metrics_url) if metrics_url else None
-    return summarize([r for r in results if r is not None], concurrency, duration,
+    return summarize(results, plan.concurrency, duration,
                      before.delta(after) if before and after else {})
+
+
+def _closed_loop(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
+                 deadline: float, limit: float, bar: tqdm) -> list[RequestResult]:
+    lock = threading.Lock()
+    results: list[RequestResult] = []
+    sent = 0
+
+    def client() -> None:
+        nonlocal sent
+        while True:
+            with lock:
+                if sent >= limit or time.perf_counter() >= deadline:
+                    return
+                job, sent = jobs[sent % len(jobs)], sent + 1
+            result = target.send(job, stream)
+            with lock:
+                results.append(result)
+            bar.update(1)
+
+    with ThreadPoolExecutor(plan.concurrency) as pool:
+        for future in [pool.submit(client) for _ in range(plan.concurrency)]:
+            future.result()
+    return results
+
+
+def _poisson(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
+             deadline: float, limit: float, bar: tqdm) -> list[RequestResult]:
+    """Open loop: a request's clock starts when it is due, so waiting for a free client (when
+    `concurrency` are busy) counts in its latency rather than hiding it."""
+    rng = random.Random(plan.seed)
+    due = time.perf_counter()
+    futures: list[Future[RequestResult]] = []
+
+    def send(job: Job, at: float) -> RequestResult:
+        result = target.send(job, stream, start=at)
+        bar.update(1)
+        return result
+
+    with ThreadPoolExecutor(plan.concurrency) as pool:
+        while len(futures) < limit:
+            due += rng.expovariate(plan.request_rate or 1.0)
+            if due >= deadline:
+                break
+            time.sleep(max(0.0, due - time.perf_counter()))
+            futures.append(pool.submit(send, jobs[len(futures) % len(jobs)], due))
+    return [f.result() for f in futures]
 
 
 def summarize(results: list[RequestResult], concurrency: int, duration: float,
@@ -158,13 +163,21 @@ def summarize(results: list[RequestResult], concurrency: int, duration: float,
     done = [r for r in results if r.ok]
     ttft = [r.token_times[0] - r.start for r in done if r.token_times]
     itl = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    e2e = [r.end - r.start for r in done]
     tokens = sum(r.num_output_tokens for r in done)
     return LoadReport(
         concurrency=concurrency, num_requests=len(results), num_errors=len(results) - len(done),
         duration_s=duration, requests_per_s=len(done) / duration,
         output_tokens_per_s=tokens / duration, ttft=percentiles(ttft),
-        inter_token=percentiles(itl), e2e=percentiles([r.end - r.start for r in done]),
-        server=server, errors=sorted({r.error or str(r.status) for r in results if not r.ok}))
+        inter_token=percentiles(itl), e2e=percentiles(e2e),
+        server=server, errors=sorted({r.error or str(r.status) for r in results if not r.ok}),
+        mean_prompt_tokens=sum(r.num_prompt_tokens for r in done) / max(1, len(done)),
+        mean_output_tokens=tokens / max(1, len(done)),
+        samples={"e2e": _rounded(e2e), "ttft": _rounded(ttft), "inter_token": _rounded(itl)})
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, 6) for v in values]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -194,5 +207,5 @@ def wait_ready(url: str, timeout: float) -> None:
     raise TimeoutError(f"{url}/ping did not answer 200 within {timeout:.0f} s")
 
 
-__all__ = ["HTTPTarget", "LoadReport", "RequestResult", "ServerSnapshot", "percentiles",
-           "run_load", "summarize", "wait_ready"]
+__all__ = ["HTTPTarget", "LoadPlan", "LoadReport", "RequestResult", "SageMakerTarget",
+           "ServerSnapshot", "percentiles", "run_load", "summarize", "wait_ready"]

@@ -34,8 +34,9 @@ class ServerSnapshot:
             "decode_tokens": diff('batchyard_step_tokens_total{kind="decode"}'),
             "preemptions": diff("batchyard_preemptions_total"),
         }
-        if "batchyard_kv_max_concurrency" in after.values:
-            out["kv_max_concurrency"] = after.get("batchyard_kv_max_concurrency")
+        for key in ("kv_max_concurrency", "kv_blocks_total", "kv_block_size"):
+            if f"batchyard_{key}" in after.values:
+                out[key] = after.get(f"batchyard_{key}")
         return out
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
-from benchmark.loadgen import HTTPTarget, LoadReport, run_load
+from benchmark.loadgen import HTTPTarget, LoadPlan, LoadReport, run_load
 from benchmark.servers import ServerStartError, local_server
 from benchmark.workloads import Job
 
@@ -32,9 +33,10 @@ def with_overrides(properties: Path, overrides: list[str], out_dir: Path) -> Pat
     return copy
 
 
-def run_sweep(files: list[Path], jobs: Callable[[], list[Job]], concurrency: int,
-              out_dir: Path, warmup: int = 3, overrides: list[str] | None = None,
-              model_dir: Path | None = None, stream: bool = True) -> dict[str, dict]:
+def run_sweep(files: list[Path], jobs: list[Job], plan: LoadPlan, out_dir: Path,
+              warmup: int = 3, overrides: list[str] | None = None,
+              model_dir: Path | None = None, stream: bool = True,
+              workload: str = "") -> dict[str, dict]:
     """Load each strategy in turn; returns {name: report or error}, also written to out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
@@ -42,39 +44,56 @@ def run_sweep(files: list[Path], jobs: Callable[[], list[Job]], concurrency: int
         name = path.stem
         props = with_overrides(path, overrides or [], out_dir)
         logger.info("strategy %s: starting the server with %s", name, props)
+        head: dict[str, Any] = {"properties": str(path), "overrides": overrides or [],
+                                "workload": workload, "load": plan.describe()}
         try:
             with local_server(props, out_dir / f"{name}.server.log", model_dir) as url:
                 target = HTTPTarget(url)
                 if warmup:
-                    run_load(target, jobs()[:warmup], min(warmup, concurrency), stream,
-                             progress=False)
-                report = run_load(target, jobs(), concurrency, stream, f"{url}/metrics")
-            results[name] = {"properties": str(path), "overrides": overrides or [],
-                             **asdict(report)}
+                    run_load(target, jobs[:warmup], LoadPlan(min(warmup, plan.concurrency),
+                                                             warmup), stream, progress=False)
+                report = run_load(target, jobs, plan, stream, f"{url}/metrics")
+            results[name] = {**head, **asdict(report),
+                             "kv_workload_concurrency": workload_concurrency(report)}
         except ServerStartError as err:
             logger.error("strategy %s: %s", name, err)
-            results[name] = {"properties": str(path), "error": str(err)}
+            results[name] = {**head, "error": str(err)}
         (out_dir / f"{name}.json").write_text(json.dumps(results[name], indent=2))
         time.sleep(1.0)  # let the port and memory go before the next server
     (out_dir / "sweep.json").write_text(json.dumps(results, indent=2))
     return results
 
 
+def workload_concurrency(report: LoadReport) -> int:
+    """Sequences of this workload's mean length the KV pool holds at once: contiguous
+    strategies reserve a max_model_len block per sequence, paged ones only the pages it fills."""
+    blocks, block_size = report.server.get("kv_blocks_total"), report.server.get("kv_block_size")
+    if not blocks or not block_size:
+        return 0
+    tokens = report.mean_prompt_tokens + report.mean_output_tokens
+    return int(blocks // max(1, math.ceil(tokens / block_size)))
+
+
 def sweep_table(results: dict[str, dict]) -> str:
     """One row per strategy: throughput, latency percentiles and server-side step facts."""
     head = (f"{'strategy':<18}{'req/s':>8}{'tok/s':>9}{'TTFT p50':>10}{'ITL p50':>9}"
-            f"{'ITL p99':>9}{'e2e p50':>9}{'e2e p99':>9}{'batch':>7}{'KV max':>8}{'errors':>8}")
+            f"{'ITL p99':>9}{'e2e p50':>9}{'e2e p99':>9}{'batch':>7}{'KV holds':>10}"
+            f"{'errors':>8}")
     rows = [head]
     for name, r in results.items():
         if "error" in r:
             rows.append(f"{name:<18}  failed: {r['error'].splitlines()[0]}")
             continue
-        rep = LoadReport(**{k: r[k] for k in LoadReport.__dataclass_fields__})
+        rep = LoadReport(**{k: r[k] for k in LoadReport.__dataclass_fields__ if k in r})
         ms = lambda d, p: d.get(p, float("nan")) * 1000  # noqa: E731
+        holds = (f"{r.get('kv_workload_concurrency', 0)}/"
+                 f"{rep.server.get('kv_max_concurrency', 0):.0f}") if rep.server else "-"
         rows.append(
             f"{name:<18}{rep.requests_per_s:>8.3f}{rep.output_tokens_per_s:>9.1f}"
             f"{ms(rep.ttft, 'p50'):>10.0f}{ms(rep.inter_token, 'p50'):>9.0f}"
             f"{ms(rep.inter_token, 'p99'):>9.0f}{ms(rep.e2e, 'p50'):>9.0f}"
             f"{ms(rep.e2e, 'p99'):>9.0f}{rep.server.get('mean_batch_size', 0):>7.1f}"
-            f"{rep.server.get('kv_max_concurrency', 0):>8.0f}{rep.num_errors:>8d}")
+            f"{holds:>10}{rep.num_errors:>8d}")
+    rows.append("KV holds: sequences of this workload's mean length / of max_model_len that the "
+                "KV pool holds at once")
     return "\n".join(rows)

@@ -47,6 +47,9 @@ class Metrics:
         self.running = Gauge("batchyard_running_sequences", "Sequences running", registry=r)
         self.kv_used = Gauge("batchyard_kv_blocks_used", "KV blocks in use", registry=r)
         self.kv_total = Gauge("batchyard_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.kv_block_size = Gauge(
+            "batchyard_kv_block_size",
+            "Tokens per KV block (max_model_len for contiguous strategies)", registry=r)
         self.max_concurrency = Gauge(
             "batchyard_kv_max_concurrency",
             "Sequences of max_model_len tokens the KV pool holds at once", registry=r)

@@ -105,3 +105,4 @@ class ServerState:
                            lambda: allocator.num_used_blocks, lambda: allocator.num_blocks,
                            hit_rate)
         self.metrics.max_concurrency.set(engine.max_concurrency)
+        self.metrics.kv_block_size.set(allocator.block_size)

@@ -8,10 +8,10 @@ import pytest
 
 from benchmark.cli import main as bench_main
 from benchmark.decode import run_decode
-from benchmark.loadgen import HTTPTarget, percentiles, run_load
+from benchmark.loadgen import HTTPTarget, LoadPlan, SageMakerTarget, percentiles, run_load
 from benchmark.servers import ServerStartError, local_server
 from benchmark.stall import run_stall
-from benchmark.sweep import run_sweep
+from benchmark.sweep import run_sweep, sweep_table
 from benchmark.workloads import Job, lmi_jobs
 from tests.models_fixtures import build_tiny_model
 
@@ -33,14 +33,40 @@ def test_load_reports_every_request_and_server_steps(model_dir, tmp_path) -> Non
     props = tmp_path / "paged.properties"
     props.write_text(PAGED)
     with local_server(props, tmp_path / "server.log", model_dir) as url:
-        report = run_load(HTTPTarget(url), small_jobs(), 3, metrics_url=f"{url}/metrics",
-                          progress=False)
+        report = run_load(HTTPTarget(url), small_jobs(), LoadPlan(3, 9),
+                          metrics_url=f"{url}/metrics", progress=False)
     assert report.num_requests == 9 and report.num_errors == 0
     assert report.output_tokens_per_s > 0 and report.requests_per_s > 0
     expected = sum(j.new_tokens for j in small_jobs())
     assert report.server["decode_tokens"] + 9 == expected  # first tokens come from prefills
     assert 1 <= report.server["mean_batch_size"] <= 3
     assert report.ttft["p50"] <= report.e2e["p50"] and report.inter_token["p99"] > 0
+    assert len(report.samples["e2e"]) == len(report.samples["ttft"]) == 9
+    assert len(report.samples["inter_token"]) == expected - 9
+    assert report.mean_output_tokens == expected / 9 and report.mean_prompt_tokens > 1
+    assert report.server["kv_block_size"] == 16 and report.server["kv_blocks_total"] >= 64
+
+
+def test_duration_poisson_and_sagemaker_targets(model_dir, tmp_path) -> None:
+    props = tmp_path / "paged.properties"
+    props.write_text(PAGED)
+    jobs = small_jobs()
+    with local_server(props, tmp_path / "server.log", model_dir) as url:
+        timed = run_load(HTTPTarget(url), jobs, LoadPlan(2, None, duration_s=1.5),
+                         progress=False)
+        poisson = run_load(HTTPTarget(url), jobs, LoadPlan(4, 6, request_rate=20.0, seed=1),
+                           progress=False)
+        runtime = SageMakerTarget("my-endpoint", "us-east-1", endpoint_url=url)
+        streamed = run_load(runtime, jobs[:3], LoadPlan(3, 3), progress=False)
+        whole = run_load(runtime, jobs[:3], LoadPlan(3, 3), stream=False, progress=False)
+        missing = run_load(SageMakerTarget("x", "us-east-1", f"{url}/nowhere"), jobs[:1],
+                           LoadPlan(1, 1), progress=False)
+    assert timed.num_errors == 0 and timed.num_requests >= 1 and timed.duration_s >= 1.5
+    assert poisson.num_requests == 6 and poisson.num_errors == 0
+    assert streamed.num_errors == 0 and len(streamed.samples["ttft"]) == 3
+    assert streamed.mean_output_tokens == sum(j.new_tokens for j in jobs[:3]) / 3
+    assert whole.num_errors == 0 and whole.mean_output_tokens == streamed.mean_output_tokens
+    assert missing.num_errors == 1 and missing.errors and missing.errors[0] != "0"
 
 
 def test_sweep_writes_one_result_per_strategy_and_reports_a_failed_start(model_dir,
@@ -49,10 +75,16 @@ def test_sweep_writes_one_result_per_strategy_and_reports_a_failed_start(model_d
     good.write_text("option.rolling_batch=scheduler\noption.max_model_len=1024\n")
     bad = tmp_path / "broken.properties"
     bad.write_text("option.rolling_batch=sideways\n")
-    results = run_sweep([good, bad], small_jobs, 3, tmp_path / "out", warmup=1,
-                        overrides=["option.max_rolling_batch_size=2"], model_dir=model_dir)
+    results = run_sweep([good, bad], small_jobs(), LoadPlan(3, 9), tmp_path / "out", warmup=1,
+                        overrides=["option.max_rolling_batch_size=2"], model_dir=model_dir,
+                        workload="nine small jobs")
     assert results["continuous"]["num_errors"] == 0
     assert results["continuous"]["server"]["mean_batch_size"] <= 2  # the override applied
+    # contiguous: one max_model_len block per sequence, whatever the workload's lengths
+    assert results["continuous"]["kv_workload_concurrency"] == 2
+    assert results["continuous"]["workload"] == "nine small jobs"
+    assert "closed loop, 3 clients" in results["broken"]["load"]
+    assert "failed: " in sweep_table(results) and "2/2" in sweep_table(results)
     assert "option.rolling_batch='sideways'" in results["broken"]["error"]
     saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert set(saved) == {"continuous", "broken"}

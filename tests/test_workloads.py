@@ -1,0 +1,89 @@
+"""Benchmark workloads and load plans: lengths, files and the options that build them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+
+from benchmark.loadgen import LoadPlan
+from benchmark.options import add_load_options, load_plan, workload_jobs
+from benchmark.workloads import Lengths, jsonl_jobs, synthetic_jobs, word_pool
+from tests.models_fixtures import build_tokenizer
+
+
+def test_lengths_parse_and_sample_within_bounds() -> None:
+    rng = random.Random(0)
+    assert {Lengths.parse("64", "x").sample(rng) for _ in range(5)} == {64}
+    uniform = [Lengths.parse("uniform:10:20", "x").sample(rng) for _ in range(200)]
+    assert min(uniform) >= 10 and max(uniform) <= 20 and len(set(uniform)) > 5
+    assert min(Lengths.parse("normal:3:50", "x").sample(rng) for _ in range(200)) >= 1
+    for bad in ("0", "uniform:5:1", "normal:1", "lognormal:1:2", "many", "uniform:0:4"):
+        with pytest.raises(ValueError, match="--prompt-tokens: expected N"):
+            Lengths.parse(bad, "--prompt-tokens")
+
+
+def test_synthetic_prompts_have_the_drawn_token_counts(tmp_path) -> None:
+    tokenizer = build_tokenizer(tmp_path)
+    assert len(word_pool(tokenizer)) >= 3  # words of the tiny vocabulary, one token each
+    jobs = synthetic_jobs(12, Lengths.parse("uniform:5:40", "p"), Lengths.parse("7", "o"),
+                          seed=3, tokenizer=tokenizer)
+    rng = random.Random(3)
+    expected = []
+    for _ in range(12):  # the same draws, in the same order
+        expected.append(Lengths.parse("uniform:5:40", "p").sample(rng))
+        rng.choices(["w"], k=expected[-1])
+        Lengths.parse("7", "o").sample(rng)
+    assert [len(tokenizer.encode(j.prompt)) for j in jobs] == expected
+    assert {j.new_tokens for j in jobs} == {7}
+    again = synthetic_jobs(12, Lengths.parse("uniform:5:40", "p"), Lengths.parse("7", "o"),
+                           seed=3, tokenizer=tokenizer)
+    assert again == jobs  # the seed fixes the workload
+
+
+def test_jsonl_prompts_cycle_and_bad_lines_name_their_line(tmp_path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"inputs": "one", "max_new_tokens": 5}\n\n{"prompt": "two"}\n'
+                    '{"text": "three", "parameters": {"max_new_tokens": 9}}\n')
+    jobs = jsonl_jobs(path, 7, Lengths.parse("11", "o"))
+    assert [(j.prompt, j.new_tokens) for j in jobs[:4]] == [
+        ("one", 5), ("two", 11), ("three", 9), ("one", 5)]
+    assert len(jobs) == 7
+    for line, message in (("{not json", ":1: not JSON"), ('{"inputs": 3}', ":1: needs a non"),
+                          ('{"inputs": "x", "max_new_tokens": 0}', ":1: max_new_tokens must")):
+        path.write_text(line + "\n")
+        with pytest.raises(ValueError, match=message):
+            jsonl_jobs(path, 1, Lengths.parse("4", "o"))
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        jsonl_jobs(path, 1, Lengths.parse("4", "o"))
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_load_options(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_options_build_the_plan_and_the_workload(tmp_path) -> None:
+    assert load_plan(parse()) == LoadPlan(32, 96)
+    plan = load_plan(parse("--duration", "30", "--rate", "2.5", "-c", "8", "--seed", "4"))
+    assert (plan.num_requests, plan.duration_s, plan.request_rate, plan.seed) == (None, 30, 2.5,
+                                                                                 4)
+    assert "Poisson arrivals at 2.5 req/s" in plan.describe() and "30 s" in plan.describe()
+    jobs, described = workload_jobs(parse(), None)
+    assert [j.new_tokens for j in jobs] == [64, 256, 128] and "LMI" in described
+    build_tokenizer(tmp_path)
+    jobs, described = workload_jobs(parse("--workload", "synthetic", "-n", "5",
+                                          "--prompt-tokens", "6", "--output-tokens", "3"),
+                                    tmp_path)
+    assert len(jobs) == 5 and "synthetic" in described and "approximate" not in described
+    (tmp_path / "p.jsonl").write_text(json.dumps({"inputs": "hi"}) + "\n")
+    jobs, _ = workload_jobs(parse("--workload", str(tmp_path / "p.jsonl"), "-n", "2"), None)
+    assert jobs[0].prompt == "hi"
+    with pytest.raises(ValueError, match="not lmi, synthetic or a JSONL file"):
+        workload_jobs(parse("--workload", str(tmp_path / "missing.jsonl")), None)
+    with pytest.raises(ValueError, match="request rate must be > 0"):
+        LoadPlan(4, 10, request_rate=0)
