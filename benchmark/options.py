@@ -61,6 +61,21 @@ def workload_jobs(args: argparse.Namespace, model_dir: Path | None) -> tuple[lis
     return jobs, f"{path.name}: {len(set(jobs))} prompts, new tokens as given or {outputs}"
 
 
+def size_bytes(text: str, what: str) -> int:
+    """`720MiB`, `2GiB`, `1e9`… as bytes (the units serving.properties accepts)."""
+    from handler.serving_config import SIZE_UNITS
+
+    number = text.rstrip("".join(sorted({c for u in SIZE_UNITS for c in u + u.upper()})))
+    unit = text[len(number):].strip().lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in SIZE_UNITS or value <= 0:
+        raise ValueError(f"{what}: expected a size such as 720MiB or 2GiB, got {text!r}")
+    return int(value * SIZE_UNITS[unit])
+
+
 def _tokenizer(model_dir: Path | None):  # noqa: ANN202 - a transformers tokenizer
     """The model's tokenizer makes synthetic prompt lengths exact (the embedded default
     model's when no folder is given and it is on disk)."""

@@ -129,3 +129,23 @@ def test_percentiles_are_nearest_rank() -> None:
     five = percentiles([5.0, 1.0, 4.0, 2.0, 3.0])
     assert (five["p50"], five["p90"], five["p99"]) == (3.0, 5.0, 5.0)
     assert percentiles([]) == {} and percentiles([7.0])["p99"] == 7.0
+
+
+def test_bench_sweep_command_with_a_synthetic_workload_and_a_peer(model_dir, tmp_path,
+                                                                  capsys) -> None:
+    props = tmp_path / "paged.properties"
+    props.write_text(PAGED)
+    out = tmp_path / "out"
+    code = bench_main(["sweep", str(props), "-c", "2", "-n", "4", "--warmup", "1",
+                       "--model-dir", str(model_dir), "--out", str(out), "--workload",
+                       "synthetic", "--prompt-tokens", "uniform:4:12", "--output-tokens", "5",
+                       "--kv-cache-memory", "4MiB", "--peers", "hf-static"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    strategy = json.loads((out / "sweep.json").read_text())["paged"]
+    assert strategy["workload"].startswith("synthetic: prompts of uniform:4:12 tokens, exactly 5")
+    assert "option.kv_cache_memory=4MiB" in strategy["overrides"]
+    assert strategy["mean_output_tokens"] == 5 and 4 <= strategy["mean_prompt_tokens"] <= 12
+    peer = json.loads((out / "peers.json").read_text())["hf-static"]
+    assert peer["num_requests"] == 4 and peer["num_errors"] == 0
+    assert peer["mean_output_tokens"] == 5 and "hf-static" in printed

@@ -1,0 +1,166 @@
+"""What a results folder holds (sweep.json, and peers.json if present), as a table and in words.
+
+Reads only the JSON that `batchyard bench sweep` and `batchyard bench peers` write, so it runs
+without torch or a server, and copes with older files (no per-request samples, no workload).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+SWEEP_FILE = "sweep.json"
+PEERS_FILE = "peers.json"
+# Run-to-run drift on the shared CI machine (README): a smaller gap is not a result.
+NOISE = 1.10
+
+
+def load_results(out_dir: Path) -> dict[str, dict]:
+    """Strategies (sweep.json) then peers (peers.json), failed runs kept; each gets a "kind"."""
+    files = [(out_dir / SWEEP_FILE, "strategy"), (out_dir / PEERS_FILE, "peer")]
+    if not any(path.is_file() for path, _ in files):
+        raise FileNotFoundError(f"{out_dir}: neither {SWEEP_FILE} nor {PEERS_FILE}; run "
+                                "`batchyard bench sweep --out` there first")
+    results: dict[str, dict] = {}
+    for path, kind in files:
+        if not path.is_file():
+            continue
+        for name, entry in json.loads(path.read_text()).items():
+            if not isinstance(entry, dict):
+                entry = {"error": f"unreadable entry in {path.name}: {str(entry)[:80]}"}
+            key = name if name not in results else f"{name} ({kind})"
+            results[key] = {"kind": kind, **entry}
+    return results
+
+
+def succeeded(entry: dict) -> bool:
+    return "error" not in entry and "requests_per_s" in entry
+
+
+def is_peer(entry: dict) -> bool:
+    return entry.get("kind") == "peer"
+
+
+def samples(entry: dict, metric: str) -> list[float]:
+    """Per-request values of `metric` ("e2e", "ttft", "inter_token"); [] in older results."""
+    return [float(v) for v in (entry.get("samples") or {}).get(metric) or []]
+
+
+def percentile(entry: dict, metric: str, p: str) -> float | None:
+    value = (entry.get(metric) or {}).get(p)
+    return None if value is None else float(value)
+
+
+def label(name: str, entry: dict) -> str:
+    return f"{name} (peer)" if is_peer(entry) else name
+
+
+def error_line(entry: dict, width: int = 120) -> str:
+    """The first line of why an entry failed, shortened to `width` characters."""
+    why = str(entry.get("error") or "no requests_per_s in the result").strip()
+    return textwrap.shorten((why.splitlines() or ["no reason given"])[0], width,
+                            placeholder=" …")
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "–" if value is None else format(value * scale, spec)
+
+
+def _seconds(value: float | None) -> str:
+    return _fmt(value, ".2f" if value is None or value < 10 else ".1f")
+
+
+def _ms(value: float | None) -> str:
+    return _fmt(value, ".1f" if value is not None and value < 0.01 else ".0f", 1000)
+
+
+def results_table(results: dict[str, dict]) -> str:
+    """A markdown table, one row per entry; failed rows say why; peers' notes follow it."""
+    head = ["name", "req/s", "output tok/s", "TTFT p50 (s)", "ITL p50 / p99 (ms)",
+            "e2e p50 / p99 (s)", "mean batch", "KV holds: workload / max-len seqs", "errors"]
+    rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    notes = []
+    for name, r in results.items():
+        if not succeeded(r):
+            reason = error_line(r).replace("|", "\\|")
+            cells = [label(name, r), f"failed: {reason}"] + [""] * (len(head) - 2)
+        else:
+            server = r.get("server") or {}
+            cells = [
+                label(name, r), _fmt(r["requests_per_s"], ".3f"),
+                _fmt(r.get("output_tokens_per_s"), ".1f"), _seconds(percentile(r, "ttft", "p50")),
+                " / ".join(_ms(percentile(r, "inter_token", p)) for p in ("p50", "p99")),
+                " / ".join(_seconds(percentile(r, "e2e", p)) for p in ("p50", "p99")),
+                _fmt(server.get("mean_batch_size"), ".1f"),
+                _holds(r), str(r.get("num_errors", 0))]
+        rows.append("| " + " | ".join(cells) + " |")
+        if is_peer(r) and r.get("note"):
+            notes.append(f"- **{name}**: {r['note']}")
+    return "\n".join(rows + ([""] + notes if notes else []))
+
+
+def _holds(entry: dict) -> str:
+    """Sequences the KV pool holds at once: of the workload's mean length / of max_model_len
+    (a strategy's server says; a peer's result may say the first)."""
+    server = entry.get("server") or {}
+    workload, max_len = entry.get("kv_workload_concurrency"), server.get("kv_max_concurrency")
+    if workload is None and max_len is None:
+        return "–"
+    return f"{_fmt(workload, '.0f')} / {_fmt(max_len, '.0f')}"
+
+
+def workload_line(results: dict[str, dict]) -> str:
+    """What the load was, from the first strategy that ran ("" when none did)."""
+    done = [r for r in results.values() if succeeded(r) and not is_peer(r)]
+    if not done:
+        return ""
+    r = done[0]
+    workload = r.get("workload")
+    if isinstance(workload, dict):  # a structured description: its name, if it has one
+        workload = workload.get("name")
+    load = r.get("load")
+    if not isinstance(load, str):
+        load = f"{r.get('concurrency', '?')} clients, {r.get('num_requests', '?')} requests"
+    return "; ".join(part for part in (workload, load) if isinstance(part, str) and part)
+
+
+def _ranked(results: dict[str, dict], peers: bool) -> list[tuple[float, str]]:
+    return sorted(((r["requests_per_s"], n) for n, r in results.items()
+                   if succeeded(r) and is_peer(r) == peers), reverse=True)
+
+
+def _times(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b > 0 else "∞×"
+
+
+def summary(results: dict[str, dict], baseline: str = "dynamic") -> str:
+    """In words (markdown): which strategy served the most requests/s, and by what ratio."""
+    strategies, peers = _ranked(results, False), _ranked(results, True)
+    failed = [f"{label(n, r)} ({error_line(r, 80)})" for n, r in results.items()
+              if not succeeded(r)]
+    tail = [f"Did not run: {'; '.join(failed)}."] if failed else []
+    if not strategies or strategies[0][0] <= 0:
+        return " ".join(["No strategy completed a request."] + tail)
+    best_rps, best = strategies[0]
+    errors = results[best].get("num_errors", 0)
+    text = [f"**{best}** served the most requests per second: {best_rps:.3f} req/s"
+            + (f" ({errors} requests failed)." if errors else ".")]
+    compared = {best}
+    if len(strategies) > 1:
+        rps, runner = strategies[1]
+        compared.add(runner)
+        text.append(f"That is **{_times(best_rps, rps)} {runner}**, the runner-up "
+                    f"({rps:.3f} req/s).")
+        if rps > 0 and best_rps / rps < NOISE:
+            text.append(f"A gap under {NOISE - 1:.0%} is within this machine's run-to-run "
+                        "drift: treat the two as tied.")
+    base = results.get(baseline, {})
+    if succeeded(base) and not is_peer(base) and baseline not in compared:
+        text.append(f"Against {baseline} ({base['requests_per_s']:.3f} req/s) it is "
+                    f"**{_times(best_rps, base['requests_per_s'])}**.")
+    if peers:
+        rps, peer = peers[0]
+        text.append(f"The fastest peer, {peer}, served {rps:.3f} req/s: {best} did "
+                    f"{_times(best_rps, rps)} its rate.")
+    return " ".join(text + tail)
