@@ -29,6 +29,7 @@ class ServerSnapshot:
             "mean_batch_size": diff("batchyard_batch_size_sum") / steps if steps else 0.0,
             "mean_decode_batch_size": (diff("batchyard_decode_batch_size_sum") / decode_steps
                                        if decode_steps else 0.0),
+            "mean_step_s": diff("batchyard_step_seconds_sum") / steps if steps else 0.0,
             "mean_kv_usage": diff("batchyard_kv_cache_usage_ratio_sum") / steps if steps else 0.0,
             "prefill_tokens": diff('batchyard_step_tokens_total{kind="prefill"}'),
             "decode_tokens": diff('batchyard_step_tokens_total{kind="decode"}'),

@@ -35,6 +35,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # auto: a fast kernel where one fits the device, else the pure-PyTorch reference.
     attention_backend: str = "auto"
+    # auto: oneDNN matmuls with packed weights on CPU (see engine/models/linear.py), else aten.
+    linear_backend: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False
 

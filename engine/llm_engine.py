@@ -6,6 +6,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalText
@@ -14,6 +15,9 @@ from engine.outputs import SampledToken, StepStats, TokenEvent
 from engine.sampling_params import RequestError, SamplingParams
 from engine.scheduler import SCHEDULERS, ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         model, spec = load_model(config.model, dtype, device)
+        _pack_linears(model, config, device, dtype)
         tokenizer = AutoTokenizer.from_pretrained(
             config.model, trust_remote_code=config.trust_remote_code, local_files_only=True)
         max_model_len = _max_model_len(config, spec.max_position_embeddings)
@@ -187,6 +192,23 @@ class LLMEngine:
             del self._ids[req.request_id]
         return TokenEvent(req.request_id, token_id, text, logprob, seq.num_prompt_tokens,
                           seq.num_output_tokens, reason, error, top_logprobs)
+
+
+def _pack_linears(model, config: EngineConfig, device: torch.device,
+                  dtype: torch.dtype) -> None:
+    """oneDNN matmuls on CPU (`auto` falls back to aten if they disagree at start-up)."""
+    from engine.models.linear import use_onednn
+
+    if not use_onednn(config.linear_backend, device, dtype):
+        return
+    try:
+        count = model.pack_linears(min(config.max_num_seqs, 64))
+    except ValueError as err:
+        if config.linear_backend == "onednn":
+            raise ValueError(f"invalid linear_backend='onednn': {err}") from err
+        logger.warning("linear_backend auto: %s; using aten matmuls", err)
+        return
+    logger.info("linear backend: oneDNN, %d packed weights", count)
 
 
 def _check_attention(runner, asked: str) -> None:

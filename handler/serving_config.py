@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine import EngineConfig
 from engine.backends import ATTENTION_BACKENDS
+from engine.models.linear import LINEAR_BACKENDS
 from handler.properties import (
     ENGINE_KEYS,
     IGNORED_KEYS,
@@ -170,6 +171,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
             gpu_memory_utilization=r.float("option.gpu_memory_utilization", 0.9, 0.01, 1.0),
             attention_backend=r.choice("option.attention_backend", "auto",
                                        set(ATTENTION_BACKENDS)),
+            linear_backend=r.choice("option.linear_backend", "auto", set(LINEAR_BACKENDS)),
             seed=r.int("option.seed", 0, 0),
             trust_remote_code=r.bool("option.trust_remote_code", False))
     except ValueError as err:

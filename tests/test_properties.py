@@ -93,6 +93,7 @@ def test_rolling_batch_with_batch_size_is_an_error() -> None:
     ("option.tensor_parallel_degree=4", "option.tensor_parallel_degree='4'"),
     ("option.kv_cache_memory=lots", "option.kv_cache_memory='lots'"),
     ("option.max_model_len=0", "option.max_model_len='0'"),
+    ("option.linear_backend=blas", "option.linear_backend='blas'"),
 ])
 def test_bad_values_name_key_value_source_and_allowed(text, key) -> None:
     with pytest.raises(ConfigError) as err:
@@ -108,6 +109,8 @@ def test_sizes_and_types() -> None:
     assert cfg.engine.kv_cache_memory == int(1.5 * 2**30)
     assert cfg.engine.dtype == "bfloat16" and cfg.max_request_bytes == 2_000_000
     assert cfg.predict_timeout == 9.5
+    assert cfg.engine.linear_backend == "auto"
+    assert resolve("option.linear_backend=aten").engine.linear_backend == "aten"
 
 
 def test_unknown_keys_warn_and_lmi_keys_are_ignored(caplog) -> None:

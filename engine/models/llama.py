@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, store_kv
+from engine.models.linear import pack_linears
 from engine.models.loader import ModelSpec
 
 
@@ -132,8 +133,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] → logits [S, vocab] float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_linears(self, batch_hint: int) -> int:
+        """Every matmul through oneDNN (engine.models.linear); a tied lm_head gets a packed
+        copy of the embedding, which the lookup keeps using as it is."""
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight
+        return pack_linears(self, batch_hint)
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up into one matmul each."""
