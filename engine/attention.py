@@ -40,6 +40,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] bool: visible
     prefills: tuple[PrefillRow, ...]
     backend: AttentionBackend
+    # Keys each decode row sees (its context length), in decode_token_idx order.
+    decode_context_lens: tuple[int, ...] = ()
     # What the backend derived from this metadata once per step (shared by every layer).
     backend_state: object | None = None
 
@@ -59,14 +61,73 @@ class AttentionBackend(ABC):
         """q [num_tokens, num_heads, head_dim] → out [num_tokens, num_heads, head_dim]."""
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Single-query rows attended together, padded to the longest of them."""
+
+    token_idx: torch.Tensor  # [n] int64: their packed rows
+    pages: torch.Tensor  # [n, width] int64
+    mask: torch.Tensor  # [n, 1, 1, width * page_size] bool: visible
+
+
 class ReferenceAttention(AttentionBackend):
     """Gather pages + SDPA: any device, any block size. The truth in tests."""
 
     name = "reference"
 
+    def prepare(self, meta: AttentionMetadata) -> tuple[DecodeGroup, ...]:
+        return decode_groups(meta)
+
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return reference_attention(q, k_cache, v_cache, meta, scale)
+        return reference_attention(q, k_cache, v_cache, meta, scale, meta.backend_state)
+
+
+# A group costs about this many (row x page) cells of padding in fixed per-call overhead.
+GROUP_COST = 32
+MAX_DECODE_GROUPS = 4
+
+
+def decode_groups(meta: AttentionMetadata) -> tuple[DecodeGroup, ...]:
+    """The decode rows split by context length, so short rows are not padded to the longest:
+    gathering and attending to padding is most of decode attention's cost when lengths vary."""
+    if meta.decode_token_idx is None:
+        return ()
+    whole = DecodeGroup(meta.decode_token_idx, meta.decode_pages, meta.decode_mask)
+    lens = meta.decode_context_lens
+    if len(lens) != len(meta.decode_token_idx):
+        return (whole,)
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    widths = [-(-lens[i] // meta.page_size) for i in order]  # pages each row needs, ascending
+    bounds = split_by_width(widths, GROUP_COST, MAX_DECODE_GROUPS)
+    if len(bounds) == 2:
+        return (whole,)
+    groups = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        rows = torch.tensor(order[start:end], device=meta.decode_pages.device)
+        width = widths[end - 1]
+        groups.append(DecodeGroup(meta.decode_token_idx.index_select(0, rows),
+                                  meta.decode_pages.index_select(0, rows)[:, :width],
+                                  meta.decode_mask.index_select(0, rows)[
+                                      ..., :width * meta.page_size]))
+    return tuple(groups)
+
+
+def split_by_width(widths: list[int], group_cost: int, max_groups: int) -> list[int]:
+    """Boundaries [0, ..., n] cutting ascending `widths` into groups, each padded to its last
+    width; greedily the cut that saves the most padded cells, while it saves > `group_cost`."""
+    bounds = [0, len(widths)]
+    while len(bounds) - 1 < max_groups:
+        best, cut = group_cost, None
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            for c in range(start + 1, end):
+                saved = (c - start) * (widths[end - 1] - widths[c - 1])
+                if saved > best:
+                    best, cut = saved, c
+        if cut is None:
+            return bounds
+        bounds = sorted([*bounds, cut])
+    return bounds
 
 
 def page_size_for(block_size: int) -> int:
@@ -89,18 +150,21 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> to
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float,
+                        groups: tuple[DecodeGroup, ...] | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] → out [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
     g = meta.page_size
-    if meta.decode_token_idx is not None:
-        # One batched SDPA for every single-query row, over gathered, padded KV.
-        qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # [B, H, 1, D]
-        kd = gather_pages(k_cache, meta.decode_pages, g).transpose(1, 2)  # [B, Hkv, T, D]
-        vd = gather_pages(v_cache, meta.decode_pages, g).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+    if groups is None and meta.decode_token_idx is not None:
+        groups = (DecodeGroup(meta.decode_token_idx, meta.decode_pages, meta.decode_mask),)
+    for group in groups or ():
+        # One batched SDPA per group of single-query rows, over gathered, padded KV.
+        qd = q.index_select(0, group.token_idx).unsqueeze(2)  # [B, H, 1, D]
+        kd = gather_pages(k_cache, group.pages, g).transpose(1, 2)  # [B, Hkv, T, D]
+        vd = gather_pages(v_cache, group.pages, g).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale,
                                             enable_gqa=True)
-        out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
+        out.index_copy_(0, group.token_idx, od.squeeze(2))
     for row in meta.prefills:
         end = row.token_start + row.num_tokens
         qp = q[row.token_start:end].transpose(0, 1)  # [H, n, D]

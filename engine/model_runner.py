@@ -79,7 +79,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots), page_size=self.page_size,
             decode_token_idx=self._tensor(decode_rows) if decode_rows else None,
-            **self._decode_gather(decode_seqs), prefills=tuple(prefills), backend=self.attention)
+            **self._decode_gather(decode_seqs), prefills=tuple(prefills), backend=self.attention,
+            decode_context_lens=tuple(context for _, context in decode_seqs))
         meta = replace(meta, backend_state=self.attention.prepare(meta))
         return self._tensor(ids), self._tensor(positions), meta, last_rows
 

@@ -15,6 +15,7 @@ from engine.attention import (
     AttentionMetadata,
     ReferenceAttention,
     reference_attention,
+    split_by_width,
 )
 from engine.attention_flex import FlexAttention
 from engine.backends import select_attention_backend
@@ -164,3 +165,31 @@ def test_a_backend_that_disagrees_is_caught_at_start_up(tmp_path) -> None:
     _check_attention(runner, "auto")
     assert type(runner.attention) is ReferenceAttention
     assert not runner.kv_cache.any(), "the check left values in the pool"
+
+
+def test_split_by_width_cuts_only_where_padding_costs_more_than_a_group() -> None:
+    assert split_by_width([2] * 10 + [18] * 10, 32, 4) == [0, 10, 20]
+    assert split_by_width([5] * 32, 32, 4) == [0, 32]  # equal lengths: nothing to save
+    assert split_by_width([3, 9], 32, 4) == [0, 2]  # saving 6 cells is not worth a group
+    assert split_by_width([1] * 20 + [30], 32, 4) == [0, 20, 21]
+    bounds = split_by_width(list(range(1, 200)), 8, 3)
+    assert len(bounds) == 4 and bounds == sorted(bounds)  # never more than max_groups
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_grouped_decode_rows_give_the_ungrouped_result(window) -> None:
+    """Rows of very different lengths are attended in groups; each row's output is unchanged."""
+    shapes = [(2, 1), (3, 1), (90, 1), (0, 6), (4, 1), (85, 1), (1, 1), (80, 1), (2, 1)]
+    cpu = torch.device("cpu")
+    backend = ReferenceAttention()
+    torch.manual_seed(0)
+    k, v = random_pool(cpu, torch.float32)
+    with torch.inference_mode():
+        meta = prepare(4, window, shapes, 0, backend, cpu, seed=3)
+        groups = meta.backend_state
+        q = torch.randn(meta.slot_mapping.numel(), HEADS, HEAD_DIM)
+        grouped = backend.forward(q, k, v, meta, HEAD_DIM ** -0.5)
+        whole = reference_attention(q, k, v, meta, HEAD_DIM ** -0.5)
+    assert len(groups) == 2 and sorted(len(g.token_idx) for g in groups) == [3, 5]
+    assert max(g.pages.shape[1] for g in groups) == meta.decode_pages.shape[1]
+    torch.testing.assert_close(grouped, whole, atol=1e-6, rtol=1e-6)
