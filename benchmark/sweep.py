@@ -88,11 +88,12 @@ def sweep_table(results: dict[str, dict]) -> str:
         ms = lambda d, p: d.get(p, float("nan")) * 1000  # noqa: E731
         holds = (f"{r.get('kv_workload_concurrency', 0)}/"
                  f"{rep.server.get('kv_max_concurrency', 0):.0f}") if rep.server else "-"
+        batch = f"{rep.server['mean_batch_size']:.1f}" if rep.server else "-"
         rows.append(
             f"{name:<18}{rep.requests_per_s:>8.3f}{rep.output_tokens_per_s:>9.1f}"
             f"{ms(rep.ttft, 'p50'):>10.0f}{ms(rep.inter_token, 'p50'):>9.0f}"
             f"{ms(rep.inter_token, 'p99'):>9.0f}{ms(rep.e2e, 'p50'):>9.0f}"
-            f"{ms(rep.e2e, 'p99'):>9.0f}{rep.server.get('mean_batch_size', 0):>7.1f}"
+            f"{ms(rep.e2e, 'p99'):>9.0f}{batch:>7}"
             f"{holds:>10}{rep.num_errors:>8d}")
     rows.append("KV holds: sequences of this workload's mean length / of max_model_len that the "
                 "KV pool holds at once")

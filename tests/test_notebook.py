@@ -105,3 +105,24 @@ def test_notebook_runs_a_sweep_and_shows_table_figures_and_verdict(tmp_path) -> 
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
     assert (tmp_path / "out" / "sweep.json").is_file()
     assert (tmp_path / "out" / OVERVIEW_PNG).stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_notebook_shows_the_published_run_when_there_are_no_results(tmp_path) -> None:
+    """A reader with a fresh checkout (no results of their own) sees the README's run."""
+    published = NOTEBOOK.parent.parent / "docs" / "benchmark" / "cpu-2026-11-23"
+    before = {p.name: p.stat().st_mtime for p in published.iterdir()}
+    executed = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(NOTEBOOK, executed, kernel_name="python3", cwd=NOTEBOOK.parent,
+                               progress_bar=False,
+                               parameters={"results_dir": str(tmp_path / "empty")})
+    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code"
+               for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "showing the published run" in text
+    table = next(o.data["text/markdown"] for o in outputs
+                 if "text/markdown" in o.get("data", {}))
+    for name in ("none", "dynamic", "continuous", "paged", "hf-static (peer)", "vllm-all (peer)"):
+        assert f"| {name} | " in table
+    assert {p.name: p.stat().st_mtime for p in published.iterdir()} == before  # untouched
