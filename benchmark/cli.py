@@ -49,9 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     _peer_options(sweep)
 
     peers = sub.add_parser("peers", help="the same workload on transformers and vLLM, offline")
-    peers.add_argument("names", nargs="*", default=list(DEFAULT_PEERS), choices=PEERS,
-                       metavar="PEER", help=f"default: {' '.join(DEFAULT_PEERS)}; all: "
-                       f"{' '.join(PEERS)}")
+    peers.add_argument("names", nargs="*", metavar="PEER",
+                       help=f"default: {' '.join(DEFAULT_PEERS)}; all: {' '.join(PEERS)}")
     _peer_options(peers)
 
     plot = sub.add_parser("plot", help="figures and a table from a sweep's results folder")
@@ -126,10 +125,9 @@ def _load(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from benchmark.sweep import default_properties, run_sweep, sweep_table
 
-    names = [n for n in args.peers.split(",") if n]
-    unknown = sorted(set(names) - set(PEERS))
-    if unknown:
-        raise ValueError(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    names = _peer_names([n for n in args.peers.split(",") if n], "--peers")
+    if names:
+        _check_peer_plan(args)
     files = args.properties or default_properties(ROOT / "serving.properties.d")
     if args.kv_cache_memory:
         size_bytes(args.kv_cache_memory, "--kv-cache-memory")
@@ -149,9 +147,24 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _peers(args: argparse.Namespace) -> int:
+    names = _peer_names(args.names or list(DEFAULT_PEERS), "peers")
+    _check_peer_plan(args)
     jobs, described = workload_jobs(args, args.model_dir)
     logger.info("workload: %s", described)
-    return 1 if _run_peers(args, args.names, jobs) else 0
+    return 1 if _run_peers(args, names, jobs) else 0
+
+
+def _peer_names(names: list[str], what: str) -> list[str]:
+    unknown = sorted(set(names) - set(PEERS))
+    if unknown:
+        raise ValueError(f"{what}: unknown {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    return names
+
+
+def _check_peer_plan(args: argparse.Namespace) -> None:
+    """Before anything runs: peers only know a closed loop of N requests."""
+    if args.duration is not None or args.rate is not None:
+        raise ValueError("peers run a closed loop of --requests: drop --duration / --rate")
 
 
 def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> bool:
@@ -160,24 +173,31 @@ def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> b
     from benchmark.sweep import sweep_table
     from handler.default_model import ensure_default_model
 
-    if args.duration is not None or args.rate is not None:
-        raise ValueError("peers run a closed loop of --requests: drop --duration / --rate")
     python = args.vllm_venv / "bin" / "python"
+    unavailable = {}
     if args.install_vllm and any(n.startswith("vllm") for n in names) and not python.exists():
-        install_vllm(args.vllm_venv)
+        try:
+            install_vllm(args.vllm_venv)
+        except RuntimeError as err:  # the vLLM rows say why; the other peers still run
+            unavailable = {n: str(err) for n in names if n.startswith("vllm")}
     plan = load_plan(args)
     work = [jobs[i % len(jobs)] for i in range(plan.num_requests or 0)]
     kv_bytes = (size_bytes(args.kv_cache_memory, "--kv-cache-memory")
                 if args.kv_cache_memory else None)
     results = run_peers(names, work, plan.concurrency, args.model_dir or ensure_default_model(),
-                        args.out, args.dtype, python, kv_cache_bytes=kv_bytes)
+                        args.out, args.dtype, python, kv_cache_bytes=kv_bytes,
+                        unavailable=unavailable)
     print(sweep_table(results))
     return any("error" in r or r["num_errors"] for r in results.values())
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from benchmark.report import plot_main
-
+    try:
+        from benchmark.report import plot_main
+    except ImportError as err:  # matplotlib is an extra, not in the serving image
+        print(f"batchyard bench plot: {err.name or err} is not installed; "
+              "pip install -e '.[notebook]'", file=sys.stderr)
+        return 2
     return plot_main(args.out)
 
 

@@ -82,6 +82,10 @@ class LoadPlan:
             raise ValueError("concurrency must be >= 1")
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("give a number of requests or a duration")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError("the number of requests must be >= 1")
+        if self.duration_s is not None and not 0 < self.duration_s < math.inf:
+            raise ValueError("the duration must be > 0 seconds")
         if self.request_rate is not None and self.request_rate <= 0:
             raise ValueError("request rate must be > 0 requests/s")
 
@@ -97,7 +101,7 @@ class LoadPlan:
 def run_load(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool = True,
              metrics_url: str | None = None, progress: bool = True) -> LoadReport:
     """Send `jobs` (cycled) as `plan` says; summarize what came back."""
-    before = scrape(metrics_url) if metrics_url else None
+    before = _scrape(metrics_url)
     bar = tqdm(total=plan.num_requests, unit="req", disable=not progress, desc="requests")
     started = time.perf_counter()
     deadline = started + plan.duration_s if plan.duration_s is not None else math.inf
@@ -106,9 +110,30 @@ def run_load(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool = Tru
     results = send(target, jobs, plan, stream, deadline, limit, bar)
     duration = time.perf_counter() - started
     bar.close()
-    after = scrape(metrics_url) if metrics_url else None
+    after = _scrape(metrics_url)
     return summarize(results, plan.concurrency, duration,
                      before.delta(after) if before and after else {})
+
+
+def _scrape(metrics_url: str | None) -> ServerSnapshot | None:
+    """The server's metrics, or None (the report then has no server figures) if unreadable."""
+    if not metrics_url:
+        return None
+    try:
+        return scrape(metrics_url)
+    except (requests.RequestException, ValueError) as err:
+        logger.warning("no server metrics from %s: %s", metrics_url, err)
+        return None
+
+
+def _send(target: Target, job: Job, stream: bool, start: float | None = None) -> RequestResult:
+    """A failed request whatever goes wrong in the client, so one request never ends the run."""
+    begun = time.perf_counter() if start is None else start
+    try:
+        return target.send(job, stream, start=begun)
+    except Exception as err:  # noqa: BLE001 - reported in the result, counted as an error
+        return RequestResult(False, begun, time.perf_counter(),
+                             error=f"{type(err).__name__}: {err}"[:200])
 
 
 def _closed_loop(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
@@ -124,7 +149,7 @@ def _closed_loop(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
                 if sent >= limit or time.perf_counter() >= deadline:
                     return
                 job, sent = jobs[sent % len(jobs)], sent + 1
-            result = target.send(job, stream)
+            result = _send(target, job, stream)
             with lock:
                 results.append(result)
             bar.update(1)
@@ -144,7 +169,7 @@ def _poisson(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
     futures: list[Future[RequestResult]] = []
 
     def send(job: Job, at: float) -> RequestResult:
-        result = target.send(job, stream, start=at)
+        result = _send(target, job, stream, start=at)
         bar.update(1)
         return result
 

@@ -37,7 +37,7 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
 
 
 def load_plan(args: argparse.Namespace) -> LoadPlan:
-    requests = args.requests if args.requests is not None or args.duration else 96
+    requests = args.requests if args.requests is not None or args.duration is not None else 96
     return LoadPlan(args.concurrency, requests, args.duration, args.rate, args.seed)
 
 

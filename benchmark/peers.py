@@ -46,10 +46,12 @@ ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*")
 
 def run_peers(names: list[str], jobs: list[Job], concurrency: int, model_dir: Path,
               out_dir: Path, dtype: str = "float32", vllm_python: Path | None = None,
-              timeout_s: float = 3600, kv_cache_bytes: int | None = None) -> dict[str, dict]:
+              timeout_s: float = 3600, kv_cache_bytes: int | None = None,
+              unavailable: dict[str, str] | None = None) -> dict[str, dict]:
     """Run `jobs` on each peer in turn (closed loop at `concurrency`); returns {name: result},
     also written to out_dir/<name>.json and out_dir/peers.json. A peer that cannot run gets
-    {"kind": "peer", "error": ...}; the others still run."""
+    {"kind": "peer", "error": ...}, as do those `unavailable` names with a reason; the others
+    still run."""
     if not jobs or concurrency < 1:
         raise ValueError("peers need at least one job and a concurrency >= 1")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,8 +64,11 @@ def run_peers(names: list[str], jobs: list[Job], concurrency: int, model_dir: Pa
             python = vllm_python or DEFAULT_VLLM_VENV / "bin" / "python"
         logger.info("peer %s: %d requests at concurrency %d with %s", name, len(jobs),
                     concurrency, python)
-        results[name] = run_peer(name, python, workload, concurrency, model_dir, out_dir, dtype,
-                                 timeout_s, kv_cache_bytes)
+        if name in (unavailable or {}):
+            results[name] = failed((unavailable or {})[name])
+        else:
+            results[name] = run_peer(name, python, workload, concurrency, model_dir, out_dir,
+                                     dtype, timeout_s, kv_cache_bytes)
         if "error" in results[name]:
             logger.error("peer %s: %s", name, results[name]["error"])
         (out_dir / f"{name}.json").write_text(json.dumps(results[name], indent=2))
@@ -113,18 +118,24 @@ def run_peer(name: str, python: Path, workload: Path, concurrency: int, model_di
     if code != 0:
         return failed(f"exited with code {code}: {last_error(log)}; log {log}")
     try:
-        return to_result(json.loads(raw.read_text()), concurrency, log)
+        prompts = [len(r["prompt_ids"]) for r in json.loads(workload.read_text())["requests"]]
+        return to_result(json.loads(raw.read_text()), concurrency, log, prompts)
     except (OSError, ValueError, KeyError, TypeError) as err:
         return failed(f"unreadable result {raw} ({type(err).__name__}: {err}); log {log}")
 
 
-def to_result(raw: dict, concurrency: int, log: Path) -> dict:
-    """The worker's raw times as a sweep entry: summarize() over the same RequestResults."""
+def to_result(raw: dict, concurrency: int, log: Path,
+              prompt_lens: list[int] | None = None) -> dict:
+    """The worker's raw times as a sweep entry: summarize() over the same RequestResults.
+    The worker reports requests in workload order, so `prompt_lens[i]` is request i's."""
     requests = raw["requests"]
+    if prompt_lens is None or len(prompt_lens) != len(requests):
+        prompt_lens = [0] * len(requests)
     results = [RequestResult(ok=r["ok"], start=r["start"], end=r["end"],
                              token_times=r["token_times"],
-                             num_output_tokens=r["num_output_tokens"], error=r["error"])
-               for r in requests]
+                             num_output_tokens=r["num_output_tokens"], error=r["error"],
+                             num_prompt_tokens=n)
+               for r, n in zip(requests, prompt_lens, strict=True)]
     duration = max(r.end for r in results) - min(r.start for r in results)
     report = summarize(results, concurrency, duration, {})
     facts = {**raw["versions"], "c": concurrency, "threads": raw["threads"]}

@@ -58,6 +58,10 @@ def run_sweep(files: list[Path], jobs: list[Job], plan: LoadPlan, out_dir: Path,
         except ServerStartError as err:
             logger.error("strategy %s: %s", name, err)
             results[name] = {**head, "error": str(err)}
+        except Exception as err:  # noqa: BLE001 - one strategy's failure never ends the sweep
+            logger.exception("strategy %s failed", name)
+            results[name] = {**head, "error": f"{type(err).__name__}: {err}; log "
+                                              f"{out_dir / f'{name}.server.log'}"}
         (out_dir / f"{name}.json").write_text(json.dumps(results[name], indent=2))
         time.sleep(1.0)  # let the port and memory go before the next server
     (out_dir / "sweep.json").write_text(json.dumps(results, indent=2))

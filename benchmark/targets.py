@@ -133,7 +133,8 @@ def _lines_as_chunks(lines: Iterable[bytes]) -> Iterable[bytes]:
 def json_result(start: float, body: Any) -> RequestResult:
     end = time.perf_counter()
     answer = body[0] if isinstance(body, list) and body else body
-    details = answer.get("details", {}) if isinstance(answer, dict) else {}
+    details = answer.get("details") if isinstance(answer, dict) else None
+    details = details if isinstance(details, dict) else {}
     return RequestResult(True, start, end, [], details.get("generated_tokens", 0), 200,
                          num_prompt_tokens=details.get("inputs", 0))
 
@@ -158,7 +159,8 @@ def stream_result(start: float, chunks: Iterable[bytes],
         last = (splitter.close() or [last])[-1]
     except DeployError as err:  # a line that is not JSON
         raise ValueError(str(err)) from err
-    details = last.get("details") or {}
+    details = last.get("details")
+    details = details if isinstance(details, dict) else {}
     ok = details.get("finish_reason") in FINISHED
     return RequestResult(ok, start, time.perf_counter(), times, len(times), 200,
                          "" if ok else str(last)[:200], details.get("inputs", 0))

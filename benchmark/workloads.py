@@ -7,6 +7,7 @@ and output lengths drawn from distributions, and a JSONL file of prompts.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,9 @@ def lmi_jobs(num_requests: int) -> list[Job]:
     return [LMI_WORKLOAD[i % len(LMI_WORKLOAD)] for i in range(num_requests)]
 
 
+MAX_LENGTH = 1_000_000  # tokens: longer than any model's context, short of exhausting memory
+
+
 @dataclass(frozen=True)
 class Lengths:
     """A token-length distribution: `N`, `uniform:LO:HI` or `normal:MEAN:STD` (at least 1)."""
@@ -55,17 +59,20 @@ class Lengths:
     def parse(cls, text: str, what: str) -> Lengths:
         name, *numbers = text.split(":")
         try:
-            if not numbers and float(name) >= 1:
+            if not numbers and 1 <= float(name) <= MAX_LENGTH:
                 return cls("fixed", float(int(float(name))))
             first, second = (float(v) for v in numbers)
-        except ValueError:
+        except (ValueError, OverflowError):  # "inf" passes float() but not int()
+            first = second = -1.0
+        if not math.isfinite(first + second) or max(first, second) > MAX_LENGTH:
             first = second = -1.0
         if name == "uniform" and 1 <= first <= second:
             return cls(name, first, second)
         if name == "normal" and first >= 1 and second >= 0:
             return cls(name, first, second)
         raise ValueError(f"{what}: expected N, uniform:LO:HI (1 <= LO <= HI) or "
-                         f"normal:MEAN:STD (MEAN >= 1), got {text!r}")
+                         f"normal:MEAN:STD (MEAN >= 1), lengths up to {MAX_LENGTH:,}, got "
+                         f"{text!r}")
 
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":
@@ -101,12 +108,16 @@ def word_pool(tokenizer: Any | None) -> list[str]:
 
 def synthetic_jobs(num_requests: int, prompt_lengths: Lengths, output_lengths: Lengths,
                    seed: int = 0, tokenizer: Any | None = None) -> list[Job]:
-    """Random-word prompts of the drawn lengths (exact with the model's tokenizer)."""
+    """Random-word prompts of the drawn lengths (exact with the model's tokenizer, counting the
+    special tokens such as BOS that encoding adds, as the server's does)."""
     rng = random.Random(seed)
     pool = word_pool(tokenizer)
+    special = 0 if tokenizer is None else (len(tokenizer.encode(" " + pool[0]))
+                                           - len(tokenizer.encode(" " + pool[0],
+                                                                  add_special_tokens=False)))
     jobs = []
     for _ in range(num_requests):
-        words = rng.choices(pool, k=prompt_lengths.sample(rng))
+        words = rng.choices(pool, k=max(1, prompt_lengths.sample(rng) - special))
         jobs.append(Job(" " + " ".join(words), output_lengths.sample(rng)))
     return jobs
 

@@ -83,7 +83,8 @@ class ReferenceAttention(AttentionBackend):
         return reference_attention(q, k_cache, v_cache, meta, scale, meta.backend_state)
 
 
-# A group costs about this many (row x page) cells of padding in fixed per-call overhead.
+# A group costs about this many (row x page) cells of padding in fixed per-call overhead
+# (cells of page_size tokens: with smaller pages a cut pays off at fewer padding tokens).
 GROUP_COST = 32
 MAX_DECODE_GROUPS = 4
 

@@ -149,3 +149,32 @@ def test_bench_sweep_command_with_a_synthetic_workload_and_a_peer(model_dir, tmp
     peer = json.loads((out / "peers.json").read_text())["hf-static"]
     assert peer["num_requests"] == 4 and peer["num_errors"] == 0
     assert peer["mean_output_tokens"] == 5 and "hf-static" in printed
+
+
+def test_a_strategy_that_fails_mid_run_is_reported_and_the_sweep_goes_on(tmp_path,
+                                                                         monkeypatch) -> None:
+    import contextlib
+
+    from benchmark import sweep
+
+    @contextlib.contextmanager
+    def fake_server(properties, log_path, model_dir=None):
+        yield "http://127.0.0.1:9"
+
+    calls = []
+
+    def load(target, jobs, plan, stream=True, metrics_url=None, progress=True):
+        calls.append(metrics_url)
+        if len(calls) == 1:
+            raise ConnectionError("server went away")
+        return sweep.LoadReport(plan.concurrency, 1, 0, 1.0, 1.0, 1.0, {}, {}, {}, {}, [])
+
+    monkeypatch.setattr(sweep, "local_server", fake_server)
+    monkeypatch.setattr(sweep, "run_load", load)
+    files = [tmp_path / "first.properties", tmp_path / "second.properties"]
+    for f in files:
+        f.write_text("option.rolling_batch=paged\n")
+    results = run_sweep(files, small_jobs(), LoadPlan(1, 1), tmp_path / "out", warmup=0)
+    assert results["first"]["error"].startswith("ConnectionError: server went away; log ")
+    assert results["second"]["requests_per_s"] == 1.0
+    assert set(json.loads((tmp_path / "out" / "sweep.json").read_text())) == {"first", "second"}

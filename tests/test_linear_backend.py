@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.llm_engine import _pack_linears
 from engine.models import linear
-from engine.models.linear import PackedLinear, pack_linears, use_onednn
+from engine.models.linear import PackedLinear, pack_linears, packed_checked, use_onednn
 from tests.engine_harness import Req, drive, make_engine
 from tests.models_fixtures import build_tiny_model
 
@@ -58,13 +58,43 @@ def test_packed_linear_matches_f_linear_for_any_batch() -> None:
 
 
 def test_selection_and_its_errors() -> None:
-    assert use_onednn("auto", CPU, torch.float32) and use_onednn("auto", CPU, torch.bfloat16)
+    assert use_onednn("auto", CPU, torch.float32)
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # needs AVX-512 BW or AVX-NE-CONVERT
+    assert use_onednn("auto", CPU, torch.bfloat16) == bf16
+    assert not use_onednn("auto", torch.device("cuda"), torch.float32)  # CPU only
     assert not use_onednn("aten", CPU, torch.float32)
     assert not use_onednn("auto", CPU, torch.float16)  # no packed fp16 path: aten
     with pytest.raises(ValueError, match="linear_backend='onednn': needs a CPU with oneDNN"):
         use_onednn("onednn", CPU, torch.float16)
     with pytest.raises(ValueError, match="invalid linear_backend='mkl'"):
         use_onednn("mkl", CPU, torch.float32)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 oneDNN")
+def test_bf16_weights_pack_and_agree() -> None:
+    layer = nn.Linear(64, 96).to(torch.bfloat16)
+    packed = packed_checked(layer.weight, layer.bias, 8, "bf16 layer")
+    with torch.inference_mode():
+        x = torch.randn(5, 64).to(torch.bfloat16)
+        torch.testing.assert_close(packed(x).float(), layer(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_kernel_that_fails_leaves_aten_matmuls(tmp_path, monkeypatch, caplog) -> None:
+    """A oneDNN error (an unsupported CPU, say) under auto: aten, and the tied head untouched."""
+    engine = make_engine(build_tiny_model(tmp_path, arch="llama_tied_llama3"), "paged",
+                         linear_backend="aten")
+    model = engine.runner.model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("mkldnn: unsupported on this CPU")
+
+    monkeypatch.setattr(linear.PackedLinear, "__init__", broken)
+    _pack_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
+    assert "unsupported on this CPU; using aten matmuls" in caplog.text
+    assert model.lm_head is None and all(type(m) is not PackedLinear for m in model.modules())
+    with pytest.raises(ValueError, match="invalid linear_backend='onednn': mkldnn: unsupported"):
+        _pack_linears(model, replace(engine.config, linear_backend="onednn"), CPU,
+                      torch.float32)
 
 
 def test_a_disagreeing_kernel_is_caught_at_start_up(tmp_path, monkeypatch, caplog) -> None:

@@ -49,6 +49,9 @@ def test_transformers_peers_finish_every_request_with_generate_s_tokens(model_di
         assert r["first_tokens"] == expected, name
         assert len(r["samples"]["ttft"]) == 6 and r["ttft"]["p50"] <= r["e2e"]["p50"], name
         assert r["threads"] >= 1 and r["versions"]["transformers"] and "batch" in r["note"]
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompts = sum(len(tokenizer.encode(j.prompt)) for j in jobs) / 6
+        assert r["mean_prompt_tokens"] == pytest.approx(prompts), name
     assert set(json.loads((tmp_path / "peers.json").read_text())) == {"hf-static", "hf-cb"}
     assert (tmp_path / "hf-cb.json").is_file() and (tmp_path / "hf-cb.log").is_file()
 
@@ -83,3 +86,25 @@ def test_vllm_install_failure_names_the_step(tmp_path) -> None:
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(RuntimeError, match="failed at 'create the virtualenv'"):
         install_vllm(tmp_path / "file" / "venv")
+
+
+def test_peers_command_runs_the_default_set_and_reports_a_failed_vllm_install(
+        model_dir, tmp_path, monkeypatch, capsys) -> None:
+    from benchmark import peers
+    from benchmark.cli import main as bench_main
+
+    def failing_install(venv):
+        raise RuntimeError(f"installing vLLM into {venv} failed at 'pip install' (exit code 1)")
+
+    monkeypatch.setattr(peers, "install_vllm", failing_install)
+    code = bench_main(["peers", "-c", "2", "-n", "2", "--model-dir", str(model_dir), "--out",
+                       str(tmp_path), "--install-vllm", "--vllm-venv", str(tmp_path / "venv"),
+                       "--workload", "synthetic", "--prompt-tokens", "5", "--output-tokens", "3"])
+    assert code == 1  # vllm-all could not run
+    results = json.loads((tmp_path / "peers.json").read_text())
+    assert list(results) == ["hf-static", "hf-cb", "vllm-all"]  # the default set
+    assert results["hf-static"]["num_errors"] == 0 and results["hf-cb"]["num_errors"] == 0
+    assert "failed at 'pip install'" in results["vllm-all"]["error"]
+    assert "vllm-all" in capsys.readouterr().out
+    assert bench_main(["peers", "sglang"]) == 2  # unknown names: a one-line error
+    assert bench_main(["sweep", "--peers", "hf-static", "--duration", "5"]) == 2  # before running

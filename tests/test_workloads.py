@@ -87,3 +87,66 @@ def test_options_build_the_plan_and_the_workload(tmp_path) -> None:
         workload_jobs(parse("--workload", str(tmp_path / "missing.jsonl")), None)
     with pytest.raises(ValueError, match="request rate must be > 0"):
         LoadPlan(4, 10, request_rate=0)
+
+
+def test_synthetic_lengths_count_the_bos_token_the_server_adds(tmp_path) -> None:
+    from tokenizers import processors
+
+    tokenizer = build_tokenizer(tmp_path)
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    jobs = synthetic_jobs(5, Lengths.parse("12", "p"), Lengths.parse("2", "o"), 1, tokenizer)
+    assert all(tokenizer.encode(j.prompt)[0] == bos for j in jobs)
+    assert [len(tokenizer.encode(j.prompt)) for j in jobs] == [12] * 5
+
+
+class RecordingTarget:
+    """A target that answers at once and keeps the start time it was given."""
+
+    def __init__(self, fail_every: int = 0) -> None:
+        self.starts: list[float] = []
+        self.fail_every = fail_every
+
+    def send(self, job, stream, start=None, on_token=None):
+        from benchmark.loadgen import RequestResult
+
+        self.starts.append(start)
+        if self.fail_every and len(self.starts) % self.fail_every == 0:
+            raise ConnectionResetError("peer went away")
+        return RequestResult(True, start, start + 0.001, [start], 1, 200)
+
+
+def test_poisson_requests_are_due_at_seeded_exponential_gaps() -> None:
+    from benchmark.loadgen import run_load
+    from benchmark.workloads import Job
+
+    target = RecordingTarget()
+    report = run_load(target, [Job("x", 1)], LoadPlan(2, 40, request_rate=200.0, seed=7),
+                      progress=False)
+    rng = random.Random(7)
+    gaps = [rng.expovariate(200.0) for _ in range(40)]
+    starts = sorted(target.starts)
+    # each request's clock starts when it was due, not when a client got to it
+    assert [b - a for a, b in zip(starts, starts[1:], strict=False)] == pytest.approx(
+        gaps[1:], abs=1e-9)
+    assert report.num_requests == 40 and report.num_errors == 0
+
+
+def test_a_client_exception_is_a_failed_request_not_a_stopped_run() -> None:
+    from benchmark.loadgen import run_load
+    from benchmark.workloads import Job
+
+    report = run_load(RecordingTarget(fail_every=3), [Job("x", 1)], LoadPlan(2, 9),
+                      progress=False)
+    assert report.num_requests == 9 and report.num_errors == 3
+    assert report.errors == ["ConnectionResetError: peer went away"]
+
+
+def test_plans_refuse_nothing_to_send() -> None:
+    for kwargs, message in (({"num_requests": 0}, "requests must be >= 1"),
+                            ({"num_requests": None, "duration_s": 0.0}, "duration must be > 0"),
+                            ({"concurrency": 0}, "concurrency must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            LoadPlan(**kwargs)
+    assert load_plan(parse("--duration", "0.5")).num_requests is None

@@ -2,20 +2,16 @@
 
 PyTorch's CPU `F.linear` goes to the BLAS it was built with (MKL), which on some x86 CPUs
 (AMD EPYC among them) picks a slow path: 2.5-4x slower than oneDNN on the decode shapes of a
-small model. oneDNN with a pre-packed (blocked) weight is what inductor emits on CPU; here it is
-called directly, without compiling the model. Results differ from MKL's only by float rounding
-order (the start-up check bounds it).
+small model. PyTorch exposes oneDNN's linear with a pre-packed (blocked) weight as
+torch.ops.mkldnn ops; they are called directly here, without compiling the model. Results
+differ from MKL's only by float rounding order (the start-up check bounds it).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 LINEAR_BACKENDS = ("auto", "onednn", "aten")
 # Packed weights are blocked for a batch of this many rows; any batch runs, this one fastest.
@@ -40,8 +36,12 @@ class PackedLinear(nn.Module):
 
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in TOLERANCE and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """oneDNN on this CPU for this dtype (bf16 needs AVX-512 BW or AVX-NE-CONVERT)."""
+    if device.type != "cpu" or dtype not in TOLERANCE or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def use_onednn(name: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -56,24 +56,39 @@ def use_onednn(name: str, device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module, batch_hint: int = DECODE_BATCH_HINT) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear checked against F.linear; returns
-    how many were replaced. Raises ValueError (nothing replaced) when one disagrees."""
+    """Replace every nn.Linear in `model` by a PackedLinear; returns how many were replaced.
+
+    One layer of each shape is first checked against F.linear: ValueError (nothing replaced)
+    when it disagrees. Layers are then swapped one at a time, so only one weight is held twice.
+    """
     found = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
-    packed = [PackedLinear(child.weight, child.bias, batch_hint) for _, _, child in found]
-    for (_, name, child), new in zip(found, packed, strict=True):
-        error = _relative_error(child, new)
-        if error > TOLERANCE[child.weight.dtype]:
-            raise ValueError(f"oneDNN linear {name} differs from aten by {error:.1e} (relative)")
-    for (parent, name, _), new in zip(found, packed, strict=True):
-        setattr(parent, name, new)
-    return len(packed)
+    checked: set[tuple] = set()
+    for _, name, child in found:
+        key = (tuple(child.weight.shape), child.weight.dtype, child.bias is not None)
+        if key not in checked:
+            packed_checked(child.weight, child.bias, batch_hint, name)
+            checked.add(key)
+    for parent, name, child in found:
+        setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint))
+    return len(found)
+
+
+def packed_checked(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int,
+                   name: str) -> PackedLinear:
+    """A PackedLinear of `weight` that agrees with F.linear, or ValueError naming `name`."""
+    packed = PackedLinear(weight, bias, batch_hint)
+    error = _relative_error(weight, bias, packed)
+    if error > TOLERANCE[weight.dtype]:
+        raise ValueError(f"oneDNN linear {name} differs from aten by {error:.1e} (relative)")
+    return packed
 
 
 @torch.inference_mode()
-def _relative_error(reference: nn.Linear, packed: PackedLinear) -> float:
+def _relative_error(weight: torch.Tensor, bias: torch.Tensor | None,
+                    packed: PackedLinear) -> float:
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, reference.in_features, generator=generator).to(reference.weight.dtype)
-    want = F.linear(x, reference.weight, reference.bias).float()
+    x = torch.randn(3, weight.shape[1], generator=generator).to(weight.dtype)
+    want = F.linear(x, weight, bias).float()
     got = packed(x).float()
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, store_kv
-from engine.models.linear import pack_linears
+from engine.models.linear import pack_linears, packed_checked
 from engine.models.loader import ModelSpec
 
 
@@ -138,12 +138,15 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def pack_linears(self, batch_hint: int) -> int:
-        """Every matmul through oneDNN (engine.models.linear); a tied lm_head gets a packed
-        copy of the embedding, which the lookup keeps using as it is."""
+        """Every matmul through oneDNN (engine.models.linear). A tied lm_head gets a packed
+        copy of the embedding (vocab x hidden more memory), the lookup keeps the original."""
+        tied = None
         if self.lm_head is None:
-            self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
-            self.lm_head.weight = self.embed_tokens.weight
-        return pack_linears(self, batch_hint)
+            tied = packed_checked(self.embed_tokens.weight, None, batch_hint, "lm_head (tied)")
+        count = pack_linears(self, batch_hint)
+        if tied is not None:
+            self.lm_head, count = tied, count + 1
+        return count
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up into one matmul each."""
