@@ -89,7 +89,11 @@ class SageMakerTarget:
                         user_agent_extra="batchyard-bench")
         if endpoint_url and session.get_credentials() is None:
             config = config.merge(Config(signature_version=UNSIGNED))
+        if not session.region_name and not endpoint_url:
+            raise ValueError("no AWS region for the endpoint: pass --region or set "
+                             "AWS_DEFAULT_REGION")
         self.endpoint_name = endpoint_name
+        # A local endpoint_url answers in any region; boto3 still needs one to sign.
         self.client = session.client("sagemaker-runtime", endpoint_url=endpoint_url,
                                      region_name=session.region_name or "us-east-1",
                                      config=config)

@@ -150,3 +150,16 @@ def test_plans_refuse_nothing_to_send() -> None:
         with pytest.raises(ValueError, match=message):
             LoadPlan(**kwargs)
     assert load_plan(parse("--duration", "0.5")).num_requests is None
+
+
+def test_an_endpoint_target_without_a_region_says_so(monkeypatch, tmp_path) -> None:
+    from benchmark.targets import SageMakerTarget
+
+    for name in ("AWS_DEFAULT_REGION", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="pass --region or set AWS_DEFAULT_REGION"):
+        SageMakerTarget("my-endpoint")
+    assert SageMakerTarget("my-endpoint", "eu-west-1").client.meta.region_name == "eu-west-1"
+    local = SageMakerTarget("my-endpoint", endpoint_url="http://127.0.0.1:9")
+    assert local.client.meta.endpoint_url == "http://127.0.0.1:9"

@@ -61,15 +61,18 @@ def pack_linears(model: nn.Module, batch_hint: int = DECODE_BATCH_HINT) -> int:
     One layer of each shape is first checked against F.linear: ValueError (nothing replaced)
     when it disagrees. Layers are then swapped one at a time, so only one weight is held twice.
     """
-    found = [(parent, name, child) for parent in model.modules()
+    # (parent, attribute) only: holding the layers themselves would keep every old weight alive
+    found = [(parent, name) for parent in model.modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
     checked: set[tuple] = set()
-    for _, name, child in found:
+    for parent, name in found:
+        child = getattr(parent, name)
         key = (tuple(child.weight.shape), child.weight.dtype, child.bias is not None)
         if key not in checked:
             packed_checked(child.weight, child.bias, batch_hint, name)
             checked.add(key)
-    for parent, name, child in found:
+    for parent, name in found:
+        child = getattr(parent, name)
         setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint))
     return len(found)
 
