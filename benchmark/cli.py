@@ -123,7 +123,8 @@ def _load(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from benchmark.sweep import default_properties, run_sweep, sweep_table
+    from benchmark.sweep import default_properties, run_sweep
+    from benchmark.tables import results_table
 
     names = _peer_names([n for n in args.peers.split(",") if n], "--peers")
     if names:
@@ -138,7 +139,7 @@ def _sweep(args: argparse.Namespace) -> int:
     logger.info("workload: %s; %s", described, plan.describe())
     results = run_sweep(files, jobs, plan, args.out, args.warmup, overrides, args.model_dir,
                         not args.no_stream, described)
-    print(sweep_table(results))
+    print(results_table(results))
     failed = any("error" in r or r["num_errors"] for r in results.values())
     if names:
         failed = _run_peers(args, names, jobs) or failed
@@ -170,7 +171,7 @@ def _check_peer_plan(args: argparse.Namespace) -> None:
 def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> bool:
     """Runs the peers; True when one of them failed (each says why in the table)."""
     from benchmark.peers import install_vllm, run_peers
-    from benchmark.sweep import sweep_table
+    from benchmark.tables import results_table
     from handler.default_model import ensure_default_model
 
     python = args.vllm_venv / "bin" / "python"
@@ -187,7 +188,7 @@ def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> b
     results = run_peers(names, work, plan.concurrency, args.model_dir or ensure_default_model(),
                         args.out, args.dtype, python, kv_cache_bytes=kv_bytes,
                         unavailable=unavailable)
-    print(sweep_table(results))
+    print(results_table(results))
     return any("error" in r or r["num_errors"] for r in results.values())
 
 

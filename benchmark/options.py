@@ -62,18 +62,13 @@ def workload_jobs(args: argparse.Namespace, model_dir: Path | None) -> tuple[lis
 
 
 def size_bytes(text: str, what: str) -> int:
-    """`720MiB`, `2GiB`, `1e9`… as bytes (the units serving.properties accepts)."""
-    from handler.serving_config import SIZE_UNITS
+    """`720MiB`, `2GiB`, `4096`… as bytes (the units serving.properties accepts)."""
+    from handler.serving_config import parse_size
 
-    number = text.rstrip("".join(sorted({c for u in SIZE_UNITS for c in u + u.upper()})))
-    unit = text[len(number):].strip().lower()
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in SIZE_UNITS or value <= 0:
+    size = parse_size(text)
+    if size is None:
         raise ValueError(f"{what}: expected a size such as 720MiB or 2GiB, got {text!r}")
-    return int(value * SIZE_UNITS[unit])
+    return size
 
 
 def _tokenizer(model_dir: Path | None):  # noqa: ANN202 - a transformers tokenizer

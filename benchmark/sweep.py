@@ -76,29 +76,3 @@ def workload_concurrency(report: LoadReport) -> int:
         return 0
     tokens = report.mean_prompt_tokens + report.mean_output_tokens
     return int(blocks // max(1, math.ceil(tokens / block_size)))
-
-
-def sweep_table(results: dict[str, dict]) -> str:
-    """One row per strategy: throughput, latency percentiles and server-side step facts."""
-    head = (f"{'strategy':<18}{'req/s':>8}{'tok/s':>9}{'TTFT p50':>10}{'ITL p50':>9}"
-            f"{'ITL p99':>9}{'e2e p50':>9}{'e2e p99':>9}{'batch':>7}{'KV holds':>10}"
-            f"{'errors':>8}")
-    rows = [head]
-    for name, r in results.items():
-        if "error" in r:
-            rows.append(f"{name:<18}  failed: {r['error'].splitlines()[0]}")
-            continue
-        rep = LoadReport(**{k: r[k] for k in LoadReport.__dataclass_fields__ if k in r})
-        ms = lambda d, p: d.get(p, float("nan")) * 1000  # noqa: E731
-        holds = (f"{r.get('kv_workload_concurrency', 0)}/"
-                 f"{rep.server.get('kv_max_concurrency', 0):.0f}") if rep.server else "-"
-        batch = f"{rep.server['mean_batch_size']:.1f}" if rep.server else "-"
-        rows.append(
-            f"{name:<18}{rep.requests_per_s:>8.3f}{rep.output_tokens_per_s:>9.1f}"
-            f"{ms(rep.ttft, 'p50'):>10.0f}{ms(rep.inter_token, 'p50'):>9.0f}"
-            f"{ms(rep.inter_token, 'p99'):>9.0f}{ms(rep.e2e, 'p50'):>9.0f}"
-            f"{ms(rep.e2e, 'p99'):>9.0f}{batch:>7}"
-            f"{holds:>10}{rep.num_errors:>8d}")
-    rows.append("KV holds: sequences of this workload's mean length / of max_model_len that the "
-                "KV pool holds at once")
-    return "\n".join(rows)

@@ -115,10 +115,18 @@ class _Reader:
         value = self.raw(key)
         if value is None:
             return None
-        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", value)
-        if m is None or m.group(2).lower() not in SIZE_UNITS or float(m.group(1)) <= 0:
+        size = parse_size(value)
+        if size is None:
             self.fail(key, "a positive size in bytes, optionally with KiB/MiB/GiB or KB/MB/GB")
-        return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+        return size
+
+
+def parse_size(value: str) -> int | None:
+    """`720MiB`, `1.5 GB`, `4096`… as bytes; None when it is not a positive size."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", value.strip())
+    if m is None or m.group(2).lower() not in SIZE_UNITS or float(m.group(1)) <= 0:
+        return None
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
 
 
 def select_strategy(r: _Reader, batch_size: int, architectures: list[str]) -> tuple[str, str]:

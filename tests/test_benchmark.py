@@ -11,7 +11,8 @@ from benchmark.decode import run_decode
 from benchmark.loadgen import HTTPTarget, LoadPlan, SageMakerTarget, percentiles, run_load
 from benchmark.servers import ServerStartError, local_server
 from benchmark.stall import run_stall
-from benchmark.sweep import run_sweep, sweep_table
+from benchmark.sweep import run_sweep
+from benchmark.tables import results_table
 from benchmark.workloads import Job, lmi_jobs
 from tests.models_fixtures import build_tiny_model
 
@@ -84,7 +85,8 @@ def test_sweep_writes_one_result_per_strategy_and_reports_a_failed_start(model_d
     assert results["continuous"]["kv_workload_concurrency"] == 2
     assert results["continuous"]["workload"] == "nine small jobs"
     assert "closed loop, 3 clients" in results["broken"]["load"]
-    assert "failed: " in sweep_table(results) and "2/2" in sweep_table(results)
+    table = results_table(results)
+    assert "| broken | failed: " in table and "| 2 / 2 |" in table
     assert "option.rolling_batch='sideways'" in results["broken"]["error"]
     saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert set(saved) == {"continuous", "broken"}
