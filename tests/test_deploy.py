@@ -368,25 +368,17 @@ def test_timeouts_outside_60_to_3600_are_refused(aws, capsys, props, option, val
     assert names(aws["sagemaker"], "slow") == ([], [])
 
 
-@pytest.mark.parametrize("role, message", [
-    ("batchyard-sagemaker", "is not an IAM role ARN"),
-    (f"arn:aws:iam::{ACCOUNT}:role/missing", "no such IAM role"),
+@pytest.mark.parametrize("flag, value, message", [
+    ("--role", "batchyard-sagemaker", "is not an IAM role ARN"),
+    ("--role", f"arn:aws:iam::{ACCOUNT}:role/missing", "no such IAM role"),
+    ("--image", "batchyard:latest", "is not an ECR image URI"),
+    ("--image", f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/batchyard:v9", "not in ECR"),
+    ("--image", f"{ACCOUNT}.dkr.ecr.eu-west-1.amazonaws.com/batchyard:latest",
+     "in eu-west-1 but"),
 ])
-def test_bad_roles_are_refused(aws, capsys, props, role, message) -> None:
-    args = create_args("norole", props)
-    args[args.index("--role") + 1] = role
-    code, _, err = run(capsys, *args)
-    assert code == 2 and message in err
-
-
-@pytest.mark.parametrize("image, message", [
-    ("batchyard:latest", "is not an ECR image URI"),
-    (f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/batchyard:v9", "not in ECR"),
-    (f"{ACCOUNT}.dkr.ecr.eu-west-1.amazonaws.com/batchyard:latest", "in eu-west-1 but"),
-])
-def test_bad_images_are_refused(aws, capsys, props, image, message) -> None:
-    args = create_args("noimage", props)
-    args[args.index("--image") + 1] = image
+def test_bad_roles_and_images_are_refused(aws, capsys, props, flag, value, message) -> None:
+    args = create_args("refused", props)
+    args[args.index(flag) + 1] = value
     code, _, err = run(capsys, *args)
     assert code == 2 and message in err
 
