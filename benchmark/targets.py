@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import requests
 
 from benchmark.workloads import Job
+from deploy.jsonlines import JsonLinesSplitter
 
 FINISHED = ("length", "eos_token", "stop_sequence")
 
@@ -147,22 +148,16 @@ def stream_result(start: float, chunks: Iterable[bytes],
                   on_token: Callable[[int], None] | None = None) -> RequestResult:
     """Token lines (JSON, or SSE `data:` lines) in chunks that need not end at line ends;
     a token's time is its chunk's arrival."""
-    from deploy.aws import DeployError
-    from deploy.invoke import JsonLinesSplitter
-
     splitter = JsonLinesSplitter()
     times: list[float] = []
     last: dict = {}
-    try:
-        for chunk in chunks:
-            for last in splitter.feed(chunk):
-                if "token" in last:
-                    times.append(time.perf_counter())
-                    if on_token is not None:
-                        on_token(len(times))
-        last = (splitter.close() or [last])[-1]
-    except DeployError as err:  # a line that is not JSON
-        raise ValueError(str(err)) from err
+    for chunk in chunks:  # a line that is not JSON raises StreamLineError, a ValueError
+        for last in splitter.feed(chunk):
+            if "token" in last:
+                times.append(time.perf_counter())
+                if on_token is not None:
+                    on_token(len(times))
+    last = (splitter.close() or [last])[-1]
     details = last.get("details")
     details = details if isinstance(details, dict) else {}
     ok = details.get("finish_reason") in FINISHED

@@ -10,46 +10,11 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from deploy.aws import Aws, DeployError, error_code, error_message, translate
+from deploy.jsonlines import JsonLinesSplitter, StreamLineError
 
 logger = logging.getLogger(__name__)
 
 READ_TIMEOUT = 70  # SageMaker answers within 60 s; clients should wait a little longer
-
-
-class JsonLinesSplitter:
-    """Bytes chunks in, JSON objects out: chunk boundaries need not match line boundaries.
-
-    A line is decoded only once its "\\n" has arrived, so a multi-byte UTF-8 character cut by a
-    chunk boundary is never decoded in halves ("\\n" never occurs inside one). SSE `data:` lines
-    are accepted too.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
-        self._buffer += chunk
-        *lines, self._buffer = self._buffer.split(b"\n")
-        return [obj for line in lines if (obj := _parse(line)) is not None]
-
-    def close(self) -> list[dict[str, Any]]:
-        """What is left after the stream ended (a last line without "\\n")."""
-        line, self._buffer = self._buffer, b""
-        obj = _parse(line)
-        return [] if obj is None else [obj]
-
-
-def _parse(line: bytes) -> dict[str, Any] | None:
-    text = line.decode("utf-8").strip()
-    if text.startswith("data:"):
-        text = text[5:].strip()
-    if not text or text == "[DONE]":
-        return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DeployError(f"the stream sent a line that is not JSON: {text[:200]!r}") from err
-    return obj if isinstance(obj, dict) else {"value": obj}
 
 
 def request_body(prompt: str, parameters: str | None, stream: bool) -> bytes:
@@ -114,9 +79,17 @@ def print_tokens(events: Iterable[dict[str, Any]], write: Callable[[str], None]
         if "PayloadPart" not in event:
             error = event.get("ModelStreamError") or event.get("InternalStreamFailure") or event
             raise DeployError(f"the stream failed: {error}")
-        for obj in splitter.feed(event["PayloadPart"].get("Bytes", b"")):
+        try:
+            objs = splitter.feed(event["PayloadPart"].get("Bytes", b""))
+        except StreamLineError as err:
+            raise DeployError(str(err)) from err
+        for obj in objs:
             last = _show(obj, write)
-    for obj in splitter.close():
+    try:
+        objs = splitter.close()
+    except StreamLineError as err:
+        raise DeployError(str(err)) from err
+    for obj in objs:
         last = _show(obj, write)
     return last
 

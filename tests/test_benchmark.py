@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +183,16 @@ def test_a_strategy_that_fails_mid_run_is_reported_and_the_sweep_goes_on(tmp_pat
     assert results["first"]["error"].startswith("ConnectionError: server went away; log ")
     assert results["second"]["requests_per_s"] == 1.0
     assert set(json.loads((tmp_path / "out" / "sweep.json").read_text())) == {"first", "second"}
+
+
+def test_http_load_needs_no_aws_sdk() -> None:
+    """The HTTP load client runs where boto3 is not installed (a bare GPU machine, say)."""
+    stream = (b'{"token": {"text": "a"}}\n{"generated_text": "a", '
+              b'"details": {"finish_reason": "length", "inputs": 2}}\n')
+    code = ("import sys\nsys.modules['boto3'] = sys.modules['botocore'] = None\n"
+            "from benchmark.loadgen import run_load\nfrom benchmark.targets import stream_result\n"
+            f"r = stream_result(0.0, [{stream!r}])\n"
+            "assert r.ok and r.num_output_tokens == 1 and r.num_prompt_tokens == 2, r\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
