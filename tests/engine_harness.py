@@ -26,15 +26,17 @@ def hf_greedy(model, prompt: list[int], max_new: int, **extra) -> list[int]:
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
                               eos_token_id=None, pad_token_id=0, **extra)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                             dtype=torch.long), generation_config=config)
+        out = model.generate(torch.tensor([prompt], device=model.device),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                       device=model.device),
+                             generation_config=config)
     return out[0, len(prompt):].tolist()
 
 
 def make_engine(path, batching: str, **overrides) -> LLMEngine:
-    defaults = {"max_num_seqs": 1 if batching == "none" else 4, "max_batch_delay_ms": 0.0}
-    config = EngineConfig(model=str(path), batching=batching, dtype="float32", device="cpu",
-                          max_model_len=MAX_MODEL_LEN, **{**defaults, **overrides})
+    defaults = {"max_num_seqs": 1 if batching == "none" else 4, "max_batch_delay_ms": 0.0,
+                "dtype": "float32", "device": "cpu", "max_model_len": MAX_MODEL_LEN}
+    config = EngineConfig(model=str(path), batching=batching, **{**defaults, **overrides})
     return LLMEngine.from_config(config)
 
 

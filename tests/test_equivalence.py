@@ -72,3 +72,18 @@ def test_mixed_sampling_parameters_in_one_batch(tiny) -> None:
     drive(make_engine(path, "none"), [alone])
     assert alone.tokens == reqs[1].tokens, "a seeded request depends on its batch"
     assert reqs[1].tokens != reqs[3].tokens, "different seeds gave the same sample"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+@pytest.mark.parametrize("batching", ["none", "dynamic", "continuous", "paged"])
+def test_greedy_matches_transformers_generate_on_gpu(tiny, batching, backend) -> None:
+    """On CUDA in float32, each strategy and attention backend gives generate's greedy tokens
+    (generate also on CUDA: the GPU's own rounding on both sides)."""
+    path, prompts, new_tokens, _, _ = tiny
+    cuda = torch.device("cuda")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(cuda).eval()
+    refs = [hf_greedy(model, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
+    reqs = staggered(prompts, new_tokens)
+    drive(make_engine(path, batching, device="cuda", attention_backend=backend), reqs)
+    assert [r.tokens for r in reqs] == refs

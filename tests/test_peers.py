@@ -56,6 +56,16 @@ def test_transformers_peers_finish_every_request_with_generate_s_tokens(model_di
     assert (tmp_path / "hf-cb.json").is_file() and (tmp_path / "hf-cb.log").is_file()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_transformers_peers_on_gpu(model_dir, tmp_path) -> None:
+    jobs = small_jobs()
+    results = run_peers(["hf-static", "hf-cb"], jobs, 3, model_dir, tmp_path, device="cuda")
+    for name, r in results.items():
+        assert "error" not in r, r.get("error")
+        assert r["num_errors"] == 0 and r["note"].endswith("on cuda"), name
+        assert r["mean_output_tokens"] * 6 == sum(j.new_tokens for j in jobs), name
+
+
 def test_missing_vllm_interpreter_is_reported_with_how_to_install(model_dir, tmp_path) -> None:
     missing = tmp_path / "no-venv" / "bin" / "python"
     results = run_peers(["vllm", "vllm-all"], small_jobs(), 3, model_dir, tmp_path / "out",
