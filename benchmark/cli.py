@@ -16,7 +16,7 @@ from benchmark.workloads import Job
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmark" / "results" / "sweep"
-PEERS = ("hf-static", "hf-cb", "vllm", "vllm-all")
+PEERS = ("hf-static", "hf-cb", "vllm", "vllm-all", "batchyard")
 DEFAULT_PEERS = ("hf-static", "hf-cb", "vllm-all")
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ def _peer_options(p: argparse.ArgumentParser) -> None:
                    help="peers' dtype (the server's comes from its properties)")
     p.add_argument("--peer-device", choices=("cpu", "cuda"), default="cpu",
                    help="where the transformers peers run (vLLM-CPU: always the CPU)")
+    p.add_argument("--engine-properties", type=Path, metavar="FILE",
+                   help="the batchyard peer's properties (default: serving.properties.d/"
+                        "paged.properties, with the sweep's --set lines)")
     p.add_argument("--kv-cache-memory", metavar="SIZE",
                    help="the same KV budget for every strategy and vLLM, e.g. 720MiB")
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
@@ -182,7 +185,8 @@ def _check_peer_plan(args: argparse.Namespace) -> None:
 
 def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> bool:
     """Runs the peers; True when one of them failed (each says why in the table)."""
-    from benchmark.peers import install_vllm, run_peers
+    from benchmark.peers import ENGINE_PROPERTIES, install_vllm, run_peers
+    from benchmark.sweep import with_overrides
     from benchmark.tables import results_table
     from handler.default_model import ensure_default_model
 
@@ -197,9 +201,12 @@ def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> b
     work = [jobs[i % len(jobs)] for i in range(plan.num_requests or 0)]
     kv_bytes = (size_bytes(args.kv_cache_memory, "--kv-cache-memory")
                 if args.kv_cache_memory else None)
+    engine_properties = with_overrides(args.engine_properties or ENGINE_PROPERTIES,
+                                       getattr(args, "set", []), args.out)
     results = run_peers(names, work, plan.concurrency, args.model_dir or ensure_default_model(),
                         args.out, args.dtype, python, kv_cache_bytes=kv_bytes,
-                        unavailable=unavailable, device=args.peer_device)
+                        unavailable=unavailable, device=args.peer_device,
+                        engine_properties=engine_properties)
     print(results_table(results))
     return any("error" in r or r["num_errors"] for r in results.values())
 

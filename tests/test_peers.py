@@ -56,6 +56,23 @@ def test_transformers_peers_finish_every_request_with_generate_s_tokens(model_di
     assert (tmp_path / "hf-cb.json").is_file() and (tmp_path / "hf-cb.log").is_file()
 
 
+def test_batchyard_engine_runs_offline_as_a_peer(model_dir, tmp_path) -> None:
+    """Our own engine through the peer protocol: same tokens as generate, the budget applied."""
+    props = tmp_path / "paged.properties"
+    props.write_text("option.rolling_batch=paged\noption.max_rolling_batch_size=4\n"
+                     "option.max_model_len=256\n")
+    jobs = small_jobs()
+    r = run_peers(["batchyard"], jobs, 3, model_dir, tmp_path / "out",
+                  kv_cache_bytes=2 * 2**20, engine_properties=props)["batchyard"]
+    assert "error" not in r, r.get("error")
+    assert r["num_errors"] == 0 and r["num_requests"] == 6
+    assert r["mean_output_tokens"] * 6 == sum(j.new_tokens for j in jobs)
+    assert r["first_tokens"] == generate_alone(model_dir, jobs[0])[:16]
+    assert r["note"].startswith("batchyard's paged engine offline")
+    assert "KV cache 2 MiB" in r["note"]
+    assert len(r["samples"]["ttft"]) == 6 and r["ttft"]["p50"] <= r["e2e"]["p50"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_transformers_peers_on_gpu(model_dir, tmp_path) -> None:
     jobs = small_jobs()

@@ -1,0 +1,118 @@
+"""batchyard's own engine as an offline peer: LLMEngine.step() in-process, no HTTP.
+
+vLLM and transformers run offline in `bench peers`; this runs batchyard the same way, on the
+same workload file and protocol as peer_worker.py, so the table holds a like-for-like row (and
+the difference to the served figure is what HTTP streaming costs on that machine).
+
+    python -m benchmark.peer_engine --properties P --model-dir DIR --workload W.json \
+        --concurrency C --out R.json [--dtype float32|bfloat16] [--kv-cache-bytes N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+from benchmark.peer_worker import FIRST_TOKENS, record, warmup_requests
+
+logger = logging.getLogger("peer_engine")
+DTYPE_SETTING = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def build_engine(properties: Path, model_dir: Path, dtype: str, kv_cache_bytes: int | None):
+    """The engine the server would build from `properties`, with the peers' dtype and budget."""
+    from engine import LLMEngine
+    from handler.properties import Setting, collect_settings
+    from handler.serving_config import build_serving_config
+
+    settings = collect_settings(properties, {})
+    settings["option.dtype"] = Setting(DTYPE_SETTING[dtype], "--dtype")
+    if kv_cache_bytes:
+        settings["option.kv_cache_memory"] = Setting(str(kv_cache_bytes), "--kv-cache-bytes")
+    architectures = json.loads((model_dir / "config.json").read_text()).get("architectures", [])
+    config = build_serving_config(settings, model_dir, architectures)
+    return LLMEngine.from_config(config.engine), config.engine.batching
+
+
+def engine_loop(engine, requests: list[dict], concurrency: int,
+                tag: str) -> tuple[list[dict], list[int]]:
+    """Closed loop: C requests in flight, the next added as soon as one finishes."""
+    from engine import SamplingParams
+
+    pending = deque(enumerate(requests))
+    live: dict[str, tuple[int, float, list[float], list[int]]] = {}
+    results: list[dict | None] = [None] * len(requests)
+    first: list[int] = []
+
+    def submit() -> None:
+        i, r = pending.popleft()
+        n = r["new_tokens"]
+        live[f"{tag}{i}"] = (i, time.perf_counter(), [], [])
+        engine.add_request(f"{tag}{i}", r["prompt_ids"],
+                           SamplingParams(max_new_tokens=n, min_new_tokens=n, ignore_eos=True))
+
+    while pending and len(live) < concurrency:
+        submit()
+    while live:
+        events = engine.step()
+        now = time.perf_counter()
+        if not events:  # dynamic batching waiting for its batch to fill
+            time.sleep(0.0005)
+        for event in events:
+            i, start, times, tokens = live[event.request_id]
+            if event.token_id is not None:
+                times.append(now)
+                tokens.append(event.token_id)
+            if event.finished:
+                del live[event.request_id]
+                results[i] = record(start, now, times, len(tokens), requests[i]["new_tokens"],
+                                    event.error or "")
+                first = tokens if i == 0 else first
+                if pending:
+                    submit()
+    return [r for r in results if r is not None], first
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer", default="batchyard")
+    parser.add_argument("--properties", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--workload", type=Path, required=True)
+    parser.add_argument("--concurrency", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtype", choices=tuple(DTYPE_SETTING), default="float32")
+    parser.add_argument("--kv-cache-bytes", type=int)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    import torch
+    import transformers
+
+    requests = json.loads(args.workload.read_text())["requests"]
+    engine, strategy = build_engine(args.properties, args.model_dir, args.dtype,
+                                    args.kv_cache_bytes)
+    engine_loop(engine, warmup_requests(requests, args.concurrency), args.concurrency, "w")
+    startup = time.perf_counter() - t0
+    results, first = engine_loop(engine, requests, args.concurrency, "r")
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__}
+    result = {"peer": args.peer, "device": str(engine.runner.device.type), "strategy": strategy,
+              "startup_s": startup, "requests": results, "first_tokens": first[:FIRST_TOKENS],
+              "versions": versions, "threads": torch.get_num_threads(),
+              "kv_cache_bytes": args.kv_cache_bytes}
+    args.out.write_text(json.dumps(result))
+    errors = sum(not r["ok"] for r in results)
+    logger.info("peer %s (%s, pid %d): done, %d errors", args.peer, strategy, os.getpid(), errors)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
