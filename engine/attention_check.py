@@ -69,3 +69,37 @@ def _check(runner: ModelRunner, case: list[tuple[int, int]]) -> float:
     limit = TOLERANCE[k_cache.dtype]
     assert error <= limit, f"differs from the reference by {error:.3g} (> {limit:g})"
     return error
+
+
+# Query-row buckets compiled at start-up; a step with more tokens compiles on first use.
+WARM_UP_MAX_ROWS = 4096
+
+
+def warm_up_buckets(max_rows: int, block_tokens: int) -> list[int]:
+    """The padded query sizes (powers of two from 16) a backend compiles for, up to the
+    smallest bucket holding `max_rows` tokens, WARM_UP_MAX_ROWS and what the pool holds."""
+    limit = min(max_rows, WARM_UP_MAX_ROWS, block_tokens)
+    buckets = [16]
+    while buckets[-1] < limit:
+        buckets.append(buckets[-1] * 2)
+    return [b for b in buckets if b <= block_tokens]
+
+
+def warm_up_attention(runner: ModelRunner, max_rows: int) -> list[int]:
+    """Runs the backend once per query bucket (one prompt of that many tokens), so compiling
+    happens before traffic, not as a stall of seconds in the first requests of each size.
+    Returns the buckets run. Reads the pool only (zeros here), writes nothing to it."""
+    pool_tokens = runner.kv_cache.shape[2]
+    spec = runner.spec
+    done = []
+    with torch.inference_mode():
+        for rows in warm_up_buckets(max_rows, pool_tokens):
+            seq = Sequence(0, [3] * rows, SamplingParams())
+            seq.block_table = list(range(-(-rows // runner.block_size)))
+            meta = runner._prepare(ScheduledBatch((seq,), (rows,)))[2]
+            q = torch.zeros(rows, spec.num_heads, spec.head_dim, device=runner.device,
+                            dtype=runner.kv_cache.dtype)
+            k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[0, 1]
+            runner.attention.forward(q, k_cache, v_cache, meta, spec.head_dim ** -0.5)
+            done.append(rows)
+    return done

@@ -65,6 +65,12 @@ class FlexAttention(AttentionBackend):
         # the whole pool (out of memory on a large GPU pool): fail the step loudly instead.
         torch._dynamo.config.fail_on_recompile_limit_hit = True
 
+    def reserve(self, num_seqs: int) -> None:
+        """Size the per-sequence table for `num_seqs` up front: it then never grows, and the
+        graphs compiled at start-up serve every step."""
+        while self.capacity < num_seqs:
+            self.capacity *= 2
+
     def prepare(self, meta: AttentionMetadata) -> FlexStep:
         device, g = meta.slot_mapping.device, meta.page_size
         num_tokens = meta.slot_mapping.numel()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,7 +70,10 @@ class LLMEngine:
         scheduler = SCHEDULERS[config.batching](config, allocator)
         runner = ModelRunner(model, spec, device, dtype, plan.num_blocks, plan.block_size,
                              select_attention_backend(config.attention_backend, device))
+        if hasattr(runner.attention, "reserve"):  # flex: its table sized once, never regrown
+            runner.attention.reserve(config.max_num_seqs)
         _check_attention(runner, config.attention_backend)
+        _warm_up_attention(runner, config, max_model_len)
         eos = _eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
                     device, dtype, config.batching, max_model_len)
@@ -231,6 +235,20 @@ def _check_attention(runner, asked: str) -> None:
     logger.info("attention backend %s matches the reference (max difference %s)",
                 runner.attention.name, "unchecked: pool too small" if error is None else
                 f"{error:.2g}")
+
+
+def _warm_up_attention(runner, config: EngineConfig, max_model_len: int) -> None:
+    """On CUDA, a backend that compiles per shape (flex) compiles every query bucket now:
+    otherwise each new step size stalls its requests for seconds (measured on an H100)."""
+    from engine.attention_check import warm_up_attention
+
+    if not hasattr(runner.attention, "reserve") or runner.device.type != "cuda":
+        return
+    started = time.monotonic()
+    max_rows = config.max_num_batched_tokens or config.max_num_seqs * max_model_len
+    buckets = warm_up_attention(runner, max_rows)
+    logger.info("attention backend %s compiled for steps of up to %d tokens in %.1f s",
+                runner.attention.name, buckets[-1] if buckets else 0, time.monotonic() - started)
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

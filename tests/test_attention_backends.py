@@ -193,3 +193,43 @@ def test_grouped_decode_rows_give_the_ungrouped_result(window) -> None:
     assert len(groups) == 2 and sorted(len(g.token_idx) for g in groups) == [3, 5]
     assert max(g.pages.shape[1] for g in groups) == meta.decode_pages.shape[1]
     torch.testing.assert_close(grouped, whole, atol=1e-6, rtol=1e-6)
+
+
+def test_warm_up_buckets_cover_the_step_sizes_up_to_the_limits() -> None:
+    from engine.attention_check import WARM_UP_MAX_ROWS, warm_up_buckets
+
+    assert warm_up_buckets(512, 10**6) == [16, 32, 64, 128, 256, 512]
+    assert warm_up_buckets(100, 10**6) == [16, 32, 64, 128]  # 100 tokens pad to 128
+    assert warm_up_buckets(10**6, 10**6)[-1] == WARM_UP_MAX_ROWS
+    assert warm_up_buckets(512, 64) == [16, 32, 64]  # no bucket larger than the pool
+
+
+def test_warm_up_runs_each_bucket_and_leaves_the_pool_untouched(tmp_path) -> None:
+    from engine.attention_check import warm_up_attention
+
+    engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4)
+    calls = []
+    forward = engine.runner.attention.forward
+
+    def counting(q, *args):
+        calls.append(q.shape[0])
+        return forward(q, *args)
+
+    engine.runner.attention.forward = counting
+    assert warm_up_attention(engine.runner, 64) == [16, 32, 64] == calls
+    assert not engine.runner.kv_cache.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flex_on_gpu_compiles_at_start_up_not_while_serving(tmp_path) -> None:
+    """After from_config, steps of any size up to the token budget reuse compiled graphs."""
+    path = build_tiny_model(tmp_path)
+    engine = make_engine(path, "paged", device="cuda", attention_backend="flex",
+                         max_num_seqs=20, max_num_batched_tokens=64)
+    assert engine.runner.attention.name == "flex"
+    graphs = counters["stats"]["unique_graphs"]
+    rng = random.Random(3)
+    reqs = [Req(f"r{i}", [rng.randrange(3, 300) for _ in range(rng.randrange(1, 40))],
+                greedy(rng.randrange(1, 12)), rng.randrange(0, 8)) for i in range(20)]
+    drive(engine, reqs)
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled while serving"
