@@ -9,8 +9,9 @@ pool. On CUDA FlexAttention compiles to Triton kernels; on CPU to C++ (slow to c
 test this logic).
 
 Recompilation: graphs are compiled per shape (dynamic=False). Query rows are padded to a power
-of two and the per-sequence table to a capacity that only grows; the pool size is fixed. So
-steady decoding reuses one graph, and a server compiles about log2(max tokens per step) graphs.
+of two and the per-sequence table to a capacity that only grows (the engine reserves
+max_num_seqs up front); the pool size is fixed. So steady decoding reuses one graph, and a
+server compiles about log2(max tokens per step) graphs: on CUDA all of them at start-up.
 """
 
 from __future__ import annotations
