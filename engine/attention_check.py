@@ -1,19 +1,25 @@
-"""Start-up check: a fast attention backend must match the reference on the real pool.
+"""Start-up of the attention backend: checked against the reference, then warmed up.
 
 A kernel that fails to compile or disagrees on this device would otherwise fail requests at
 serving time; checked once at start-up, `auto` falls back to the reference instead. On the real
-pool the check also compiles the backend's first graph before traffic arrives.
+pool the check also compiles the backend's first graph before traffic arrives, and on CUDA the
+warm-up compiles the other step sizes too.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
-from engine.attention import reference_attention
+from engine.attention import ReferenceAttention, reference_attention
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 # Largest |fast - reference| allowed, by KV dtype: fp32 is exact up to summation order.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -103,3 +109,37 @@ def warm_up_attention(runner: ModelRunner, max_rows: int) -> list[int]:
             runner.attention.forward(q, k_cache, v_cache, meta, spec.head_dim ** -0.5)
             done.append(rows)
     return done
+
+
+def prepare_attention(runner: ModelRunner, asked: str, max_num_seqs: int, max_rows: int) -> None:
+    """Before serving: size the backend for `max_num_seqs`, check it against the reference
+    (`auto` falls back to the reference), and on CUDA compile its step sizes up to `max_rows`."""
+    if hasattr(runner.attention, "reserve"):  # flex: its table sized once, never regrown
+        runner.attention.reserve(max_num_seqs)
+    check_or_fall_back(runner, asked)
+    if hasattr(runner.attention, "reserve") and runner.device.type == "cuda":
+        # Each new step size would otherwise stall its requests for seconds (seen on an H100).
+        started = time.monotonic()
+        buckets = warm_up_attention(runner, max_rows)
+        logger.info("attention backend %s compiled for steps of up to %d tokens in %.1f s",
+                    runner.attention.name, buckets[-1] if buckets else 0,
+                    time.monotonic() - started)
+
+
+def check_or_fall_back(runner: ModelRunner, asked: str) -> None:
+    """A fast backend must pass its start-up check; `auto` falls back to the reference."""
+    if isinstance(runner.attention, ReferenceAttention):
+        return
+    try:
+        error = check_attention_backend(runner)
+    except Exception as err:  # a kernel that cannot compile here fails the same way
+        if asked != "auto":
+            raise ValueError(f"invalid attention_backend={asked!r}: it failed its start-up "
+                             f"check on this device: {err}") from err
+        logger.warning("attention backend %s failed its start-up check (%s); using the "
+                       "reference backend", runner.attention.name, err)
+        runner.attention = ReferenceAttention()
+        return
+    logger.info("attention backend %s matches the reference (max difference %s)",
+                runner.attention.name, "unchecked: pool too small" if error is None else
+                f"{error:.2g}")

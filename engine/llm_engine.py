@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +52,7 @@ class LLMEngine:
         """Load tokenizer and weights, size the KV pool, build the strategy's scheduler."""
         from transformers import AutoTokenizer
 
+        from engine.attention_check import prepare_attention
         from engine.backends import select_attention_backend
         from engine.model_runner import ModelRunner
         from engine.models.loader import load_model, resolve_device, resolve_dtype
@@ -70,10 +70,8 @@ class LLMEngine:
         scheduler = SCHEDULERS[config.batching](config, allocator)
         runner = ModelRunner(model, spec, device, dtype, plan.num_blocks, plan.block_size,
                              select_attention_backend(config.attention_backend, device))
-        if hasattr(runner.attention, "reserve"):  # flex: its table sized once, never regrown
-            runner.attention.reserve(config.max_num_seqs)
-        _check_attention(runner, config.attention_backend)
-        _warm_up_attention(runner, config, max_model_len)
+        prepare_attention(runner, config.attention_backend, config.max_num_seqs,
+                          config.max_num_batched_tokens or config.max_num_seqs * max_model_len)
         eos = _eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
                     device, dtype, config.batching, max_model_len)
@@ -213,42 +211,6 @@ def _pack_linears(model: torch.nn.Module, config: EngineConfig, device: torch.de
         logger.warning("linear_backend auto: %s; using aten matmuls", err)
         return
     logger.info("linear backend: oneDNN, %d packed weights", count)
-
-
-def _check_attention(runner, asked: str) -> None:
-    """A fast backend must pass its start-up check; `auto` falls back to the reference."""
-    from engine.attention import ReferenceAttention
-    from engine.attention_check import check_attention_backend
-
-    if isinstance(runner.attention, ReferenceAttention):
-        return
-    try:
-        error = check_attention_backend(runner)
-    except Exception as err:  # a kernel that cannot compile here fails the same way
-        if asked != "auto":
-            raise ValueError(f"invalid attention_backend={asked!r}: it failed its start-up "
-                             f"check on this device: {err}") from err
-        logger.warning("attention backend %s failed its start-up check (%s); using the "
-                       "reference backend", runner.attention.name, err)
-        runner.attention = ReferenceAttention()
-        return
-    logger.info("attention backend %s matches the reference (max difference %s)",
-                runner.attention.name, "unchecked: pool too small" if error is None else
-                f"{error:.2g}")
-
-
-def _warm_up_attention(runner, config: EngineConfig, max_model_len: int) -> None:
-    """On CUDA, a backend that compiles per shape (flex) compiles every query bucket now:
-    otherwise each new step size stalls its requests for seconds (measured on an H100)."""
-    from engine.attention_check import warm_up_attention
-
-    if not hasattr(runner.attention, "reserve") or runner.device.type != "cuda":
-        return
-    started = time.monotonic()
-    max_rows = config.max_num_batched_tokens or config.max_num_seqs * max_model_len
-    buckets = warm_up_attention(runner, max_rows)
-    logger.info("attention backend %s compiled for steps of up to %d tokens in %.1f s",
-                runner.attention.name, buckets[-1] if buckets else 0, time.monotonic() - started)
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

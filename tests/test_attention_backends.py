@@ -155,14 +155,14 @@ class _OffByOne(AttentionBackend):
 
 def test_a_backend_that_disagrees_is_caught_at_start_up(tmp_path) -> None:
     """auto falls back to the reference; a backend asked for by name stops start-up."""
-    from engine.llm_engine import _check_attention
+    from engine.attention_check import check_or_fall_back
 
     engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4)
     runner = engine.runner
     runner.attention = _OffByOne()
     with pytest.raises(ValueError, match="failed its start-up check"):
-        _check_attention(runner, "flex")
-    _check_attention(runner, "auto")
+        check_or_fall_back(runner, "flex")
+    check_or_fall_back(runner, "auto")
     assert type(runner.attention) is ReferenceAttention
     assert not runner.kv_cache.any(), "the check left values in the pool"
 
