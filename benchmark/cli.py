@@ -202,7 +202,8 @@ def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> b
     kv_bytes = (size_bytes(args.kv_cache_memory, "--kv-cache-memory")
                 if args.kv_cache_memory else None)
     engine_properties = with_overrides(args.engine_properties or ENGINE_PROPERTIES,
-                                       getattr(args, "set", []), args.out)
+                                       getattr(args, "set", []), args.out,
+                                       "batchyard-peer.properties")
     results = run_peers(names, work, plan.concurrency, args.model_dir or ensure_default_model(),
                         args.out, args.dtype, python, kv_cache_bytes=kv_bytes,
                         unavailable=unavailable, device=args.peer_device,

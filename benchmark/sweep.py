@@ -23,11 +23,14 @@ def default_properties(root: Path) -> list[Path]:
     return [root / f"{name}.properties" for name in STRATEGY_FILES]
 
 
-def with_overrides(properties: Path, overrides: list[str], out_dir: Path) -> Path:
-    """A copy of `properties` with `key=value` lines appended (a file's later keys win)."""
+def with_overrides(properties: Path, overrides: list[str], out_dir: Path,
+                   name: str | None = None) -> Path:
+    """A copy of `properties` (out_dir/`name`, default its own name) with `key=value` lines
+    appended (a file's later keys win)."""
     if not overrides:
         return properties
-    copy = out_dir / properties.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copy = out_dir / (name or properties.name)
     extra = "\n# set by batchyard bench\n" + "".join(f"{o}\n" for o in overrides)
     copy.write_text(properties.read_text() + extra)
     return copy

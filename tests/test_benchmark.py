@@ -144,7 +144,8 @@ def test_bench_sweep_command_with_a_synthetic_workload_and_a_peer(model_dir, tmp
     code = bench_main(["sweep", str(props), "-c", "2", "-n", "4", "--warmup", "1",
                        "--model-dir", str(model_dir), "--out", str(out), "--workload",
                        "synthetic", "--prompt-tokens", "uniform:4:12", "--output-tokens", "5",
-                       "--kv-cache-memory", "4MiB", "--peers", "hf-static"])
+                       "--kv-cache-memory", "4MiB", "--peers", "hf-static,batchyard",
+                       "--engine-properties", str(props), "--set", "option.block_size=8"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     strategy = json.loads((out / "sweep.json").read_text())["paged"]
@@ -154,6 +155,10 @@ def test_bench_sweep_command_with_a_synthetic_workload_and_a_peer(model_dir, tmp
     peer = json.loads((out / "peers.json").read_text())["hf-static"]
     assert peer["num_requests"] == 4 and peer["num_errors"] == 0
     assert peer["mean_output_tokens"] == 5 and "hf-static" in printed
+    ours = json.loads((out / "peers.json").read_text())["batchyard"]
+    assert ours["num_errors"] == 0 and ours["mean_output_tokens"] == 5, ours.get("error")
+    assert "block_size=8" in (out / "batchyard-peer.properties").read_text()
+    assert "kv_cache_memory=4MiB" in (out / "paged.properties").read_text()  # the sweep's own
 
 
 def test_a_strategy_that_fails_mid_run_is_reported_and_the_sweep_goes_on(tmp_path,
