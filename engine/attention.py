@@ -158,14 +158,18 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     g = meta.page_size
     if groups is None and meta.decode_token_idx is not None:
         groups = (DecodeGroup(meta.decode_token_idx, meta.decode_pages, meta.decode_mask),)
+    num_heads, kv_heads = q.shape[1], k_cache.shape[1]
     for group in groups or ():
-        # One batched SDPA per group of single-query rows, over gathered, padded KV.
-        qd = q.index_select(0, group.token_idx).unsqueeze(2)  # [B, H, 1, D]
+        # One batched SDPA per group of single-query rows, over gathered, padded KV. The query
+        # heads sharing a KV head go in as that head's queries (all see the same keys): SDPA
+        # then reads each K/V row once per KV head, not once per query head (~25 % faster on
+        # CPU than enable_gqa).
+        n = group.token_idx.numel()
+        qd = q.index_select(0, group.token_idx).view(n, kv_heads, num_heads // kv_heads, -1)
         kd = gather_pages(k_cache, group.pages, g).transpose(1, 2)  # [B, Hkv, T, D]
         vd = gather_pages(v_cache, group.pages, g).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale,
-                                            enable_gqa=True)
-        out.index_copy_(0, group.token_idx, od.squeeze(2))
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale)
+        out.index_copy_(0, group.token_idx, od.reshape(n, num_heads, -1))
     for row in meta.prefills:
         end = row.token_start + row.num_tokens
         # NOTE: 4-D with a batch of one: on CPU, 3-D inputs miss the flash kernel and take
