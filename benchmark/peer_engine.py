@@ -17,10 +17,9 @@ import os
 import platform
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
-from benchmark.peer_worker import FIRST_TOKENS, record, warmup_requests
+from benchmark.peer_worker import FIRST_TOKENS, closed_loop, warmup_requests
 
 logger = logging.getLogger("peer_engine")
 DTYPE_SETTING = {"float32": "fp32", "bfloat16": "bf16"}
@@ -43,41 +42,22 @@ def build_engine(properties: Path, model_dir: Path, dtype: str, kv_cache_bytes: 
 
 def engine_loop(engine, requests: list[dict], concurrency: int,
                 tag: str) -> tuple[list[dict], list[int]]:
-    """Closed loop: C requests in flight, the next added as soon as one finishes."""
+    """Closed loop over LLMEngine.step(), as the other peers run theirs."""
     from engine import SamplingParams
 
-    pending = deque(enumerate(requests))
-    live: dict[str, tuple[int, float, list[float], list[int]]] = {}
-    results: list[dict | None] = [None] * len(requests)
-    first: list[int] = []
-
-    def submit() -> None:
-        i, r = pending.popleft()
+    def add(key: str, r: dict) -> None:
         n = r["new_tokens"]
-        live[f"{tag}{i}"] = (i, time.perf_counter(), [], [])
-        engine.add_request(f"{tag}{i}", r["prompt_ids"],
+        engine.add_request(key, r["prompt_ids"],
                            SamplingParams(max_new_tokens=n, min_new_tokens=n, ignore_eos=True))
 
-    while pending and len(live) < concurrency:
-        submit()
-    while live:
+    def step() -> list[tuple[str, list[int], bool, str]]:
         events = engine.step()
-        now = time.perf_counter()
         if not events:  # dynamic batching waiting for its batch to fill
             time.sleep(0.0005)
-        for event in events:
-            i, start, times, tokens = live[event.request_id]
-            if event.token_id is not None:
-                times.append(now)
-                tokens.append(event.token_id)
-            if event.finished:
-                del live[event.request_id]
-                results[i] = record(start, now, times, len(tokens), requests[i]["new_tokens"],
-                                    event.error or "")
-                first = tokens if i == 0 else first
-                if pending:
-                    submit()
-    return [r for r in results if r is not None], first
+        return [(e.request_id, [] if e.token_id is None else [e.token_id], e.finished,
+                 e.error or "") for e in events]
+
+    return closed_loop(requests, concurrency, tag, add, step)
 
 
 def main(argv: list[str] | None = None) -> int:

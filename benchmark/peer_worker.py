@@ -22,6 +22,7 @@ import platform
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger("peer_worker")
@@ -202,13 +203,13 @@ def vllm_env(peer: str) -> None:
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
 
 
-def vllm_loop(engine, requests: list[dict], concurrency: int,
-              tag: str) -> tuple[list[dict], list[int]]:
-    """Closed loop over engine.step(); DELTA outputs give each token's arrival time."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
+def closed_loop(requests: list[dict], concurrency: int, tag: str,
+                add: Callable[[str, dict], None],
+                step: Callable[[], list[tuple[str, list[int], bool, str]]]
+                ) -> tuple[list[dict], list[int]]:
+    """C requests in flight, the next added as soon as one finishes. `add(key, request)`
+    submits one; `step()` runs the engine once and returns (key, new token ids, finished,
+    error) per request it moved. A token's time is the return of the step that gave it."""
     pending = deque(enumerate(requests))
     live: dict[str, tuple[int, float, list[float], list[int]]] = {}
     results: list[dict | None] = [None] * len(requests)
@@ -216,30 +217,47 @@ def vllm_loop(engine, requests: list[dict], concurrency: int,
 
     def submit() -> None:
         i, r = pending.popleft()
-        # ignore_eos alone yields exactly max_tokens; min_tokens would also ban EOS from
-        # being chosen, which batchyard's ignore_eos does not, so it is left out
-        params = SamplingParams(temperature=0.0, max_tokens=r["new_tokens"], ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
         live[f"{tag}{i}"] = (i, time.perf_counter(), [], [])
-        engine.add_request(f"{tag}{i}", TokensPrompt(prompt_token_ids=r["prompt_ids"]), params)
+        add(f"{tag}{i}", r)
 
     while pending and len(live) < concurrency:
         submit()
     while live:
-        outputs = engine.step()
+        updates = step()
         now = time.perf_counter()
-        for out in outputs:
-            i, start, times, tokens = live[out.request_id]
-            new = list(out.outputs[0].token_ids) if out.outputs else []
+        for key, new, finished, error in updates:
+            i, start, times, tokens = live[key]
             times += [now] * len(new)
             tokens += new
-            if out.finished:
-                del live[out.request_id]
-                results[i] = record(start, now, times, len(tokens), requests[i]["new_tokens"])
+            if finished:
+                del live[key]
+                results[i] = record(start, now, times, len(tokens), requests[i]["new_tokens"],
+                                    error)
                 first = tokens if i == 0 else first
                 if pending:
                     submit()
     return [r for r in results if r is not None], first
+
+
+def vllm_loop(engine, requests: list[dict], concurrency: int,
+              tag: str) -> tuple[list[dict], list[int]]:
+    """Closed loop over engine.step(); DELTA outputs give each token's arrival time."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    def add(key: str, r: dict) -> None:
+        # ignore_eos alone yields exactly max_tokens; min_tokens would also ban EOS from
+        # being chosen, which batchyard's ignore_eos does not, so it is left out
+        params = SamplingParams(temperature=0.0, max_tokens=r["new_tokens"], ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        engine.add_request(key, TokensPrompt(prompt_token_ids=r["prompt_ids"]), params)
+
+    def step() -> list[tuple[str, list[int], bool, str]]:
+        return [(out.request_id, list(out.outputs[0].token_ids) if out.outputs else [],
+                 out.finished, "") for out in engine.step()]
+
+    return closed_loop(requests, concurrency, tag, add, step)
 
 
 def vllm_peer(args: argparse.Namespace, requests: list[dict]) -> dict:

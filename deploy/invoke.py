@@ -73,23 +73,23 @@ def invoke_stream(aws: Aws, name: str, prompt: str, parameters: str | None = Non
 
 def print_tokens(events: Iterable[dict[str, Any]], write: Callable[[str], None]
                  ) -> dict[str, Any]:
+    try:
+        return _print_lines(events, write)
+    except StreamLineError as err:  # a line that is not JSON
+        raise DeployError(str(err)) from err
+
+
+def _print_lines(events: Iterable[dict[str, Any]], write: Callable[[str], None]
+                 ) -> dict[str, Any]:
     splitter = JsonLinesSplitter()
     last: dict[str, Any] = {}
     for event in events:
         if "PayloadPart" not in event:
             error = event.get("ModelStreamError") or event.get("InternalStreamFailure") or event
             raise DeployError(f"the stream failed: {error}")
-        try:
-            objs = splitter.feed(event["PayloadPart"].get("Bytes", b""))
-        except StreamLineError as err:
-            raise DeployError(str(err)) from err
-        for obj in objs:
+        for obj in splitter.feed(event["PayloadPart"].get("Bytes", b"")):
             last = _show(obj, write)
-    try:
-        objs = splitter.close()
-    except StreamLineError as err:
-        raise DeployError(str(err)) from err
-    for obj in objs:
+    for obj in splitter.close():
         last = _show(obj, write)
     return last
 
