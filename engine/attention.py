@@ -155,21 +155,34 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         groups: tuple[DecodeGroup, ...] | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] → out [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
-    g = meta.page_size
     if groups is None and meta.decode_token_idx is not None:
         groups = (DecodeGroup(meta.decode_token_idx, meta.decode_pages, meta.decode_mask),)
+    decode_reference(q, k_cache, v_cache, meta.page_size, scale, groups or (), out)
+    prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_size: int, scale: float, groups: tuple[DecodeGroup, ...],
+                     out: torch.Tensor) -> None:
+    """Fills the single-query rows of `out`: one batched SDPA per group over gathered KV."""
     num_heads, kv_heads = q.shape[1], k_cache.shape[1]
-    for group in groups or ():
-        # One batched SDPA per group of single-query rows, over gathered, padded KV. The query
-        # heads sharing a KV head go in as that head's queries (all see the same keys): SDPA
-        # then reads each K/V row once per KV head, not once per query head (~25 % faster on
-        # CPU than enable_gqa).
+    for group in groups:
+        # The query heads sharing a KV head go in as that head's queries (all see the same
+        # keys): SDPA then reads each K/V row once per KV head, not once per query head (~25 %
+        # faster on CPU than enable_gqa).
         n = group.token_idx.numel()
         qd = q.index_select(0, group.token_idx).view(n, kv_heads, num_heads // kv_heads, -1)
-        kd = gather_pages(k_cache, group.pages, g).transpose(1, 2)  # [B, Hkv, T, D]
-        vd = gather_pages(v_cache, group.pages, g).transpose(1, 2)
+        kd = gather_pages(k_cache, group.pages, page_size).transpose(1, 2)  # [B, Hkv, T, D]
+        vd = gather_pages(v_cache, group.pages, page_size).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale)
         out.index_copy_(0, group.token_idx, od.reshape(n, num_heads, -1))
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Fills the rows of `out` that belong to prefills (prompts or chunks of them)."""
+    g = meta.page_size
     for row in meta.prefills:
         end = row.token_start + row.num_tokens
         # NOTE: 4-D with a batch of one: on CPU, 3-D inputs miss the flash kernel and take
@@ -180,7 +193,6 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale,
                                             is_causal=row.mask is None, enable_gqa=True)
         out[row.token_start:end] = op[0].transpose(0, 1)
-    return out
 
 
 def causal_mask(num_queries: int, context_len: int, sliding_window: int | None,

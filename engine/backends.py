@@ -7,10 +7,11 @@ import logging
 import torch
 
 from engine.attention import AttentionBackend, ReferenceAttention
+from engine.attention_cpu import CpuPagedAttention, compiler
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "reference", "flex")
+ATTENTION_BACKENDS = ("auto", "reference", "flex", "cpu_paged")
 
 # flash-attn is not wired in yet. Its paged path (flash_attn_with_kvcache with block_table) needs
 # page_block_size % 256 == 0 in upstream flash-attn 2 (docstring; Dao-AILab/flash-attention#828),
@@ -29,7 +30,9 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
     """`auto`: the fastest backend that runs on `device`; otherwise the one named.
 
     `flex` runs on any device; on CPU its first call per shape compiles for many seconds, so
-    `auto` picks it only on CUDA, where FlexAttention generates Triton kernels."""
+    `auto` picks it only on CUDA, where FlexAttention generates Triton kernels. On CPU `auto`
+    picks `cpu_paged` (decode reads the pool in place) when a C compiler is there to build it;
+    a backend that then fails its start-up check falls back to the reference."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"invalid attention_backend={name!r}: must be one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
@@ -37,6 +40,11 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
         from engine.attention_flex import FlexAttention
 
         backend: AttentionBackend = FlexAttention(device)
+    elif name == "cpu_paged" or (name == "auto" and device.type == "cpu" and compiler()):
+        if device.type != "cpu":
+            raise ValueError(f"invalid attention_backend='cpu_paged': runs on the CPU, "
+                             f"not {device.type}")
+        backend = CpuPagedAttention()
     else:
         backend = ReferenceAttention()
     logger.info("attention backend: %s on %s (asked for %s)", backend.name, device, name)

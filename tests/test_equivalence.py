@@ -46,13 +46,17 @@ STRATEGIES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu_paged"])
 @pytest.mark.parametrize(("batching", "overrides"), STRATEGIES,
                          ids=[f"{b}-{i}" for i, (b, _) in enumerate(STRATEGIES)])
-def test_greedy_matches_transformers_generate(tiny, batching, overrides) -> None:
-    """Every strategy reproduces transformers' greedy tokens for staggered requests."""
+def test_greedy_matches_transformers_generate(tiny, batching, overrides, backend) -> None:
+    """Every strategy reproduces transformers' greedy tokens for staggered requests, with the
+    pure-PyTorch reference attention and with the CPU decode kernel."""
     path, prompts, new_tokens, refs, _ = tiny
     reqs = staggered(prompts, new_tokens)
-    drive(make_engine(path, batching, **overrides), reqs)
+    engine = make_engine(path, batching, attention_backend=backend, **overrides)
+    assert engine.runner.attention.name == backend
+    drive(engine, reqs)
     assert [r.tokens for r in reqs] == refs
 
 

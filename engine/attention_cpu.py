@@ -1,0 +1,138 @@
+"""Decode attention on CPU reading the KV pool in place (engine/kernels/paged_decode.c).
+
+Why C: at decode, the reference backend's page gather copies every row's KV out of the pool and
+SDPA reads the copy again, so attention moves each layer's KV three times; on a 2-core CPU that
+was about a third of a paged decode step. No library we can depend on reads a paged pool on CPU
+(vLLM's kernel ships only inside vLLM, FlexAttention's CPU path was 2x slower than the
+reference here), so two plain loops are compiled once per process with the system C compiler
+and loaded with ctypes (no PyTorch headers: the build takes about a second). They use PyTorch's
+own OpenMP runtime: torch has loaded libgomp.so.1 already, so the loader reuses it.
+
+Prefill rows and non-float32 pools take the reference path. Without a C compiler the backend
+fails its start-up check and `auto` falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    decode_groups,
+    decode_reference,
+    prefill_attention,
+)
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "paged_decode.c"
+_I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+# pointers: q|probs, cache, pages, ctx, lo, scores|out; then B, H, Hkv, D, page_size,
+# max_pages, width
+_COMMON = [_PTR] * 6 + [_I64] * 7
+
+
+def compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def load_kernels() -> ctypes.CDLL:
+    """Compiles paged_decode.c for this CPU and loads it; RuntimeError when it cannot."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH to build the CPU decode kernel")
+    with tempfile.TemporaryDirectory(prefix="batchyard-kernels-") as tmp:
+        library = Path(tmp) / "paged_decode.so"
+        command = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE),
+                   "-o", str(library)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"building the CPU decode kernel failed: {done.stderr[-500:]}")
+        lib = ctypes.CDLL(str(library))  # stays mapped after the file is removed
+    lib.batchyard_decode_scores.argtypes = [*_COMMON, _F32, _INT]
+    lib.batchyard_decode_values.argtypes = [*_COMMON, _INT]
+    lib.batchyard_decode_scores.restype = lib.batchyard_decode_values.restype = None
+    logger.info("CPU decode attention kernel built with %s", cc)
+    return lib
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The step's single-query rows, as the kernel reads them."""
+
+    token_idx: torch.Tensor | None  # [B] int64 packed rows; None: rows 0..B-1, the whole batch
+    pages: torch.Tensor  # [B, max_pages] int64
+    ctx: torch.Tensor  # [B] int64: keys visible end at ctx
+    lo: torch.Tensor  # [B] int64: ... and start at lo (> 0 under a sliding window)
+    width: int  # longest ctx
+
+
+@dataclass(frozen=True)
+class CpuStep:
+    decode: DecodeRows | None
+    groups: tuple  # reference decode groups, for a pool the kernel does not read (not fp32)
+
+
+class CpuPagedAttention(AttentionBackend):
+    """Decode rows through the in-place kernel, prefill rows through the reference."""
+
+    name = "cpu_paged"
+
+    def prepare(self, meta: AttentionMetadata) -> CpuStep:
+        if meta.decode_token_idx is None:
+            return CpuStep(None, ())
+        visible = meta.decode_mask[:, 0, 0, :]  # [B, T] bool
+        num_rows = meta.decode_token_idx.numel()
+        whole_batch = num_rows == meta.slot_mapping.numel()  # decode-only: rows 0..B-1
+        rows = DecodeRows(
+            token_idx=None if whole_batch else meta.decode_token_idx,
+            pages=meta.decode_pages.contiguous(),
+            ctx=torch.tensor(meta.decode_context_lens, dtype=torch.int64),
+            lo=visible.int().argmax(-1),  # first visible position
+            width=max(meta.decode_context_lens))
+        return CpuStep(rows, decode_groups(meta))
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        step: CpuStep = meta.backend_state
+        out = torch.empty_like(q)
+        in_place = (k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+                    and v_cache.is_contiguous())
+        if step.decode is not None and in_place:
+            self._decode(q, k_cache, v_cache, meta.page_size, scale, step.decode, out)
+        elif step.decode is not None:
+            decode_reference(q, k_cache, v_cache, meta.page_size, scale, step.groups, out)
+        prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                page_size: int, scale: float, rows: DecodeRows, out: torch.Tensor) -> None:
+        lib = load_kernels()
+        qd = q if rows.token_idx is None else q.index_select(0, rows.token_idx)  # [B, H, D]
+        qd = qd.contiguous()
+        num_rows, num_heads, head_dim = qd.shape
+        scores = torch.empty(num_rows, num_heads, rows.width)  # [B, H, T]
+        shape = (num_rows, num_heads, k_cache.shape[1], head_dim, page_size,
+                 rows.pages.shape[1], rows.width)
+        threads = torch.get_num_threads()
+        lib.batchyard_decode_scores(qd.data_ptr(), k_cache.data_ptr(), rows.pages.data_ptr(),
+                                    rows.ctx.data_ptr(), rows.lo.data_ptr(), scores.data_ptr(),
+                                    *shape, scale, threads)
+        probs = torch.softmax(scores, dim=-1)
+        od = out if rows.token_idx is None else torch.empty_like(qd)  # [B, H, D]
+        lib.batchyard_decode_values(probs.data_ptr(), v_cache.data_ptr(), rows.pages.data_ptr(),
+                                    rows.ctx.data_ptr(), rows.lo.data_ptr(), od.data_ptr(),
+                                    *shape, threads)
+        if rows.token_idx is not None:
+            out.index_copy_(0, rows.token_idx, od)

@@ -1,0 +1,79 @@
+/* Decode attention over the paged KV pool, read in place (float32).
+ *
+ * The reference backend copies each decode row's pages out of the pool before SDPA, so every
+ * layer moves its KV three times (read, write, read again); on a CPU that copy is most of decode
+ * attention. These two loops read each K and V row of the pool once, through the page table,
+ * as vLLM's CPU kernel does. The softmax between them stays in PyTorch.
+ *
+ * Layouts (all contiguous): q, out [B, H, D]; k_cache, v_cache [slots, Hkv, D];
+ * pages [B, max_pages] pool pages of page_size slots; ctx, lo [B]: row b sees positions
+ * lo[b] <= t < ctx[b]; scores, probs [B, H, width], width >= every ctx.
+ * The H query heads of KV head kh are kh*G .. kh*G+G-1 (G = H / Hkv), as in transformers.
+ */
+#include <math.h>
+#include <stdint.h>
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* One task per row. Its positions are walked page by page and every KV head of a slot is used
+ * at once: a page is then one sequential run of memory, which the prefetcher follows. */
+void batchyard_decode_scores(const float *q, const float *k_cache, const int64_t *pages,
+                             const int64_t *ctx, const int64_t *lo, float *scores, int64_t B,
+                             int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
+                             int64_t max_pages, int64_t width, float scale, int threads) {
+    const int64_t G = H / Hkv, slot_floats = Hkv * D;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t *row_pages = pages + b * max_pages;
+        const float *qb = q + b * H * D;
+        float *s = scores + b * H * width;
+        for (int64_t h = 0; h < H; ++h) {
+            for (int64_t t = 0; t < width; ++t) {
+                if (t < lo[b] || t >= ctx[b]) s[h * width + t] = -INFINITY;
+            }
+        }
+        for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
+            const int64_t page = first / page_size;
+            next = min64(ctx[b], (page + 1) * page_size);
+            const float *row = k_cache + (row_pages[page] * page_size + first % page_size) *
+                                             slot_floats;
+            for (int64_t t = first; t < next; ++t, row += slot_floats) {
+                for (int64_t h = 0; h < H; ++h) {
+                    const float *k = row + (h / G) * D, *qh = qb + h * D;
+                    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t d = 0; d < D; ++d) acc += qh[d] * k[d];
+                    s[h * width + t] = acc * scale;
+                }
+            }
+        }
+    }
+}
+
+void batchyard_decode_values(const float *probs, const float *v_cache, const int64_t *pages,
+                             const int64_t *ctx, const int64_t *lo, float *out, int64_t B,
+                             int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
+                             int64_t max_pages, int64_t width, int threads) {
+    const int64_t G = H / Hkv, slot_floats = Hkv * D;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t *row_pages = pages + b * max_pages;
+        const float *p = probs + b * H * width;
+        float *o = out + b * H * D;
+        for (int64_t i = 0; i < H * D; ++i) o[i] = 0.0f;
+        for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
+            const int64_t page = first / page_size;
+            next = min64(ctx[b], (page + 1) * page_size);
+            const float *row = v_cache + (row_pages[page] * page_size + first % page_size) *
+                                             slot_floats;
+            for (int64_t t = first; t < next; ++t, row += slot_floats) {
+                for (int64_t h = 0; h < H; ++h) {
+                    const float *v = row + (h / G) * D, w = p[h * width + t];
+                    float *oh = o + h * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) oh[d] += w * v[d];
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,85 @@
+"""The CPU decode kernel (engine/kernels/paged_decode.c) against the reference: random pools and
+block tables (windows, shared prefix blocks, pages that straddle blocks), a pool it does not read
+(bfloat16), its selection, and what happens when it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.attention_cpu as attention_cpu
+import engine.backends as backends
+from engine.attention import ReferenceAttention, reference_attention
+from engine.attention_check import check_or_fall_back
+from engine.attention_cpu import CpuPagedAttention
+from tests.engine_harness import make_engine
+from tests.models_fixtures import build_tiny_model
+from tests.test_attention_backends import CASES, HEAD_DIM, HEADS, prepare, random_pool
+
+CPU = torch.device("cpu")
+needs_compiler = pytest.mark.skipif(attention_cpu.compiler() is None, reason="needs a C compiler")
+
+
+@needs_compiler
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-w{c[1]}-shared{c[3]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_paged_matches_reference(case, dtype) -> None:
+    block_size, window, shapes, shared = case
+    backend = CpuPagedAttention()
+    torch.manual_seed(3)
+    k, v = random_pool(CPU, dtype)
+    with torch.inference_mode():
+        meta = prepare(block_size, window, shapes, shared, backend, CPU, seed=3)
+        q = torch.randn(meta.slot_mapping.numel(), HEADS, HEAD_DIM).to(dtype)
+        want = reference_attention(q, k, v, meta, HEAD_DIM ** -0.5)
+        got = backend.forward(q, k, v, meta, HEAD_DIM ** -0.5)
+    if dtype == torch.float32:  # the kernel: same result up to summation order
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    else:  # not float32: the reference path itself
+        assert torch.equal(got, want)
+
+
+@needs_compiler
+def test_decode_only_step_reads_the_pool_in_place() -> None:
+    """A step of decodes only (the common case) skips the row gather: same result."""
+    backend = CpuPagedAttention()
+    k, v = random_pool(CPU, torch.float32)
+    with torch.inference_mode():
+        meta = prepare(16, None, [(40, 1), (3, 1), (17, 1)], 0, backend, CPU, seed=1)
+        assert meta.backend_state.decode.token_idx is None
+        q = torch.randn(3, HEADS, HEAD_DIM)
+        torch.testing.assert_close(backend.forward(q, k, v, meta, 0.25),
+                                   reference_attention(q, k, v, meta, 0.25), atol=1e-5, rtol=0)
+
+
+def test_selection(monkeypatch) -> None:
+    cpu_auto = backends.select_attention_backend("auto", CPU)
+    assert type(cpu_auto) is (CpuPagedAttention if attention_cpu.compiler() else
+                              ReferenceAttention)
+    monkeypatch.setattr(backends, "compiler", lambda: None)
+    assert type(backends.select_attention_backend("auto", CPU)) is ReferenceAttention
+    with pytest.raises(ValueError, match="attention_backend='cpu_paged'"):
+        backends.select_attention_backend("cpu_paged", torch.device("cuda"))
+
+
+def test_a_kernel_that_cannot_build_falls_back_at_start_up(tmp_path, monkeypatch) -> None:
+    """No working compiler: `auto` serves with the reference, `cpu_paged` stops start-up."""
+    engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4,
+                         attention_backend="reference")
+    runner = engine.runner
+    monkeypatch.setattr(attention_cpu, "compiler", lambda: "/bin/false")
+    attention_cpu.load_kernels.cache_clear()
+    try:
+        runner.attention = CpuPagedAttention()
+        with pytest.raises(ValueError, match="failed its start-up check.*CPU decode kernel"):
+            check_or_fall_back(runner, "cpu_paged")
+        check_or_fall_back(runner, "auto")
+        assert type(runner.attention) is ReferenceAttention
+    finally:
+        attention_cpu.load_kernels.cache_clear()
+
+
+@needs_compiler
+def test_engine_on_cpu_uses_the_kernel(tmp_path) -> None:
+    engine = make_engine(build_tiny_model(tmp_path), "paged")
+    assert engine.runner.attention.name == "cpu_paged"
