@@ -43,8 +43,9 @@ RUN python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and \
 RUN if getent passwd 1000 > /dev/null; then userdel "$(getent passwd 1000 | cut -d: -f1)"; fi \
     && useradd --no-log-init --create-home --uid 1000 --user-group --shell /bin/bash batchyard
 
-# A host C compiler for torch.compile: the FlexAttention backend JIT-compiles Triton launchers
-# with it on GPU. Recent PyTorch runtime images ship gcc; older tags and python:*-slim do not.
+# A host C compiler: on GPU the FlexAttention backend JIT-compiles Triton launchers with it; on
+# CPU the server builds its decode attention kernel (engine/kernels/paged_decode.c) with it at
+# start-up. Recent PyTorch runtime images ship gcc; older tags and python:*-slim do not.
 # DL3008 (apt version pins) is ignored on purpose: BASE_IMAGE may be Ubuntu or Debian, so no one
 # pin fits both; the packages come from the base release's own archive and only when missing.
 # hadolint ignore=DL3008

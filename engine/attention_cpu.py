@@ -106,7 +106,7 @@ class CpuPagedAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         step: CpuStep = meta.backend_state
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
         in_place = (k_cache.dtype == torch.float32 and k_cache.is_contiguous()
                     and v_cache.is_contiguous())
         if step.decode is not None and in_place:

@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
         inter, mlp_bias = config["intermediate_size"], config.get("mlp_bias", False)
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=mlp_bias)
         self.down_proj = nn.Linear(inter, spec.hidden_size, bias=mlp_bias)
-        self.split = [q, kv, kv]
+        self.rotated_heads = spec.num_heads + spec.num_kv_heads  # q's and k's
         eps = config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(spec.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
@@ -79,11 +79,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
         s = self.spec
-        h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split(self.split, -1)
-        q = apply_rope(q.view(-1, s.num_heads, s.head_dim), cos, sin)  # [N, H, D]
-        k = apply_rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)  # [N, Hkv, D]
-        store_kv(k, v.view(-1, s.num_kv_heads, s.head_dim), k_cache, v_cache, meta.slot_mapping)
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [N, (H + 2 Hkv) * D]
+        # q and k are rotated in one pass (half the small ops of rotating each on its own)
+        qk = qkv[:, :self.rotated_heads * s.head_dim].view(-1, self.rotated_heads, s.head_dim)
+        q, k = apply_rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
+        v = qkv[:, self.rotated_heads * s.head_dim:].view(-1, s.num_kv_heads, s.head_dim)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # q [N, H, D], k and v [N, Hkv, D]
         attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
         x = x + self.o_proj(attn.flatten(1))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
