@@ -15,6 +15,15 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* The pool is far larger than the caches and a row's pages are scattered, so the next page is
+ * requested from memory while this one is used (the hardware prefetcher stops at page ends). */
+static inline void prefetch_page(const float *cache, const int64_t *row_pages, int64_t page,
+                                 int64_t last_page, int64_t page_size, int64_t slot_floats) {
+    if (page > last_page) return;
+    const float *start = cache + row_pages[page] * page_size * slot_floats;
+    for (int64_t i = 0; i < page_size * slot_floats; i += 16) __builtin_prefetch(start + i);
+}
+
 /* One task per row. Its positions are walked page by page and every KV head of a slot is used
  * at once: a page is then one sequential run of memory, which the prefetcher follows. */
 void batchyard_decode_scores(const float *q, const float *k_cache, const int64_t *pages,
@@ -35,6 +44,8 @@ void batchyard_decode_scores(const float *q, const float *k_cache, const int64_t
         for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
             const int64_t page = first / page_size;
             next = min64(ctx[b], (page + 1) * page_size);
+            prefetch_page(k_cache, row_pages, page + 1, (ctx[b] - 1) / page_size, page_size,
+                          slot_floats);
             const float *row = k_cache + (row_pages[page] * page_size + first % page_size) *
                                              slot_floats;
             for (int64_t t = first; t < next; ++t, row += slot_floats) {
@@ -64,6 +75,8 @@ void batchyard_decode_values(const float *probs, const float *v_cache, const int
         for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
             const int64_t page = first / page_size;
             next = min64(ctx[b], (page + 1) * page_size);
+            prefetch_page(v_cache, row_pages, page + 1, (ctx[b] - 1) / page_size, page_size,
+                          slot_floats);
             const float *row = v_cache + (row_pages[page] * page_size + first % page_size) *
                                              slot_floats;
             for (int64_t t = first; t < next; ++t, row += slot_floats) {
