@@ -1,27 +1,16 @@
 """Decode attention on CPU reading the KV pool in place (engine/kernels/paged_decode.c).
 
-Why C: at decode, the reference backend's page gather copies every row's KV out of the pool and
-SDPA reads the copy again, so attention moves each layer's KV three times; on a 2-core CPU that
-was about a third of a paged decode step. No library we can depend on reads a paged pool on CPU
-(vLLM's kernel ships only inside vLLM, FlexAttention's CPU path was 2x slower than the
-reference here), so two plain loops are compiled once per process with the system C compiler
-and loaded with ctypes (no PyTorch headers: the build takes about a second). They use PyTorch's
-own OpenMP runtime: torch has loaded libgomp.so.1 already, so the loader reuses it.
-
-Prefill rows and non-float32 pools take the reference path. Without a C compiler the backend
-fails its start-up check and `auto` falls back to the reference.
+At decode, the reference backend's page gather copies every row's KV out of the pool and SDPA
+reads the copy again, so attention moves each layer's KV three times; on a 2-core CPU that was
+about a third of a paged decode step. FlexAttention's CPU path was 2x slower than the reference
+here. The kernel reads each K and V row once, through the page table; the softmax between its
+two loops stays in PyTorch. Prefill rows and non-float32 pools take the reference path.
+Without a C compiler the backend fails its start-up check and `auto` uses the reference.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -32,39 +21,7 @@ from engine.attention import (
     decode_reference,
     prefill_attention,
 )
-
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "kernels" / "paged_decode.c"
-_I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-# pointers: q|probs, cache, pages, ctx, lo, scores|out; then B, H, Hkv, D, page_size,
-# max_pages, width
-_COMMON = [_PTR] * 6 + [_I64] * 7
-
-
-def compiler() -> str | None:
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-@functools.cache
-def load_kernels() -> ctypes.CDLL:
-    """Compiles paged_decode.c for this CPU and loads it; RuntimeError when it cannot."""
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH to build the CPU decode kernel")
-    with tempfile.TemporaryDirectory(prefix="batchyard-kernels-") as tmp:
-        library = Path(tmp) / "paged_decode.so"
-        command = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE),
-                   "-o", str(library)]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"building the CPU decode kernel failed: {done.stderr[-500:]}")
-        lib = ctypes.CDLL(str(library))  # stays mapped after the file is removed
-    lib.batchyard_decode_scores.argtypes = [*_COMMON, _F32, _INT]
-    lib.batchyard_decode_values.argtypes = [*_COMMON, _INT]
-    lib.batchyard_decode_scores.restype = lib.batchyard_decode_values.restype = None
-    logger.info("CPU decode attention kernel built with %s", cc)
-    return lib
+from engine.kernels import load_kernels
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import logging
 import torch
 
 from engine.attention import AttentionBackend, ReferenceAttention
-from engine.attention_cpu import CpuPagedAttention, compiler
+from engine.attention_cpu import CpuPagedAttention
+from engine.kernels import compiler
 
 logger = logging.getLogger(__name__)
 

@@ -55,6 +55,7 @@ class LLMEngine:
         from engine.attention_check import prepare_attention
         from engine.backends import select_attention_backend
         from engine.model_runner import ModelRunner
+        from engine.models.cpu_fused import fused_ops_for
         from engine.models.loader import load_model, resolve_device, resolve_dtype
 
         device = resolve_device(config.device)
@@ -72,6 +73,8 @@ class LLMEngine:
                              select_attention_backend(config.attention_backend, device))
         prepare_attention(runner, config.attention_backend, config.max_num_seqs,
                           config.max_num_batched_tokens or config.max_num_seqs * max_model_len)
+        if hasattr(model, "use_fused_cpu_ops"):
+            model.use_fused_cpu_ops(fused_ops_for(model, dtype, runner.attention.name))
         eos = _eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
                     device, dtype, config.batching, max_model_len)

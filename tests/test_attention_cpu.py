@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.attention_cpu as attention_cpu
 import engine.backends as backends
+import engine.kernels as kernels
 from engine.attention import ReferenceAttention, reference_attention
 from engine.attention_check import check_or_fall_back
 from engine.attention_cpu import CpuPagedAttention
@@ -17,7 +17,7 @@ from tests.models_fixtures import build_tiny_model
 from tests.test_attention_backends import CASES, HEAD_DIM, HEADS, prepare, random_pool
 
 CPU = torch.device("cpu")
-needs_compiler = pytest.mark.skipif(attention_cpu.compiler() is None, reason="needs a C compiler")
+needs_compiler = pytest.mark.skipif(kernels.compiler() is None, reason="needs a C compiler")
 
 
 @needs_compiler
@@ -54,7 +54,7 @@ def test_decode_only_step_reads_the_pool_in_place() -> None:
 
 def test_selection(monkeypatch) -> None:
     cpu_auto = backends.select_attention_backend("auto", CPU)
-    assert type(cpu_auto) is (CpuPagedAttention if attention_cpu.compiler() else
+    assert type(cpu_auto) is (CpuPagedAttention if kernels.compiler() else
                               ReferenceAttention)
     monkeypatch.setattr(backends, "compiler", lambda: None)
     assert type(backends.select_attention_backend("auto", CPU)) is ReferenceAttention
@@ -67,16 +67,16 @@ def test_a_kernel_that_cannot_build_falls_back_at_start_up(tmp_path, monkeypatch
     engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4,
                          attention_backend="reference")
     runner = engine.runner
-    monkeypatch.setattr(attention_cpu, "compiler", lambda: "/bin/false")
-    attention_cpu.load_kernels.cache_clear()
+    monkeypatch.setattr(kernels, "compiler", lambda: "/bin/false")
+    kernels.load_kernels.cache_clear()
     try:
         runner.attention = CpuPagedAttention()
-        with pytest.raises(ValueError, match="failed its start-up check.*CPU decode kernel"):
+        with pytest.raises(ValueError, match="failed its start-up check.*CPU kernels"):
             check_or_fall_back(runner, "cpu_paged")
         check_or_fall_back(runner, "auto")
         assert type(runner.attention) is ReferenceAttention
     finally:
-        attention_cpu.load_kernels.cache_clear()
+        kernels.load_kernels.cache_clear()
 
 
 @needs_compiler

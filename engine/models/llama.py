@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, store_kv
+from engine.models.cpu_fused import FusedCpuOps
 from engine.models.linear import pack_linears, packed_checked
 from engine.models.loader import ModelSpec
 
@@ -75,9 +76,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
         self.scale = spec.head_dim ** -0.5
+        self.fused: FusedCpuOps | None = None  # set by use_fused_cpu_ops
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        if self.fused is not None:
+            return self._forward_fused(x, cos, sin, meta, k_cache, v_cache)
         s = self.spec
         qkv = self.qkv_proj(self.input_layernorm(x))  # [N, (H + 2 Hkv) * D]
         # q and k are rotated in one pass (half the small ops of rotating each on its own)
@@ -88,6 +92,21 @@ class DecoderLayer(nn.Module):
         attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
         x = x + self.o_proj(attn.flatten(1))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """The same layer with RMSNorm (+ residual add) and RoPE (+ KV write) as one C call
+        each (engine/models/cpu_fused.py); CPU, float32."""
+        ops, norm1, norm2 = self.fused, self.input_layernorm, self.post_attention_layernorm
+        qkv = self.qkv_proj(ops.rms_norm(x, norm1.weight, norm1.eps))
+        q = ops.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                           self.spec.num_heads)
+        attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
+        out = self.o_proj(attn.flatten(1))  # [N, hidden]: the norm adds x to it in place
+        h = ops.rms_norm(out, norm2.weight, norm2.eps, residual=x)
+        x = out  # x + o_proj(attn), bit for bit (float addition commutes)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
 
@@ -137,6 +156,10 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+    def use_fused_cpu_ops(self, ops: FusedCpuOps | None) -> None:
+        for layer in self.layers:
+            layer.fused = ops
 
     def pack_linears(self, batch_hint: int) -> int:
         """Every matmul through oneDNN (engine.models.linear). A tied lm_head gets a packed

@@ -1,0 +1,82 @@
+"""A decoder layer's small ops through the fused C kernels (engine/kernels/fused_ops.c).
+
+Used on CPU in float32 together with the cpu_paged attention backend (one compiled library);
+the reference backend keeps the model on PyTorch ops only, so that path stays the one checked
+against transformers op for op.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.kernels import load_kernels
+
+logger = logging.getLogger(__name__)
+
+
+class FusedCpuOps:
+    """RMSNorm (with the residual add before it) and RoPE + KV write, one C call each."""
+
+    def __init__(self) -> None:
+        self.lib = load_kernels()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, hidden] → weight * x / rms(x). With `residual`, x += residual first (x must be
+        a tensor the caller owns: it then holds the layer's new residual stream)."""
+        out = torch.empty_like(x)  # [N, hidden]
+        self.lib.batchyard_add_rms_norm(
+            x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   num_heads: int) -> torch.Tensor:
+        """qkv [N, (H + 2 Hkv) * D] → rotated q [N, H, D]; rotated k and v go to the pool."""
+        n, (_, kv_heads, head_dim) = qkv.shape[0], k_cache.shape
+        q = torch.empty(n, num_heads, head_dim)  # [N, H, D]
+        self.lib.batchyard_rope_store(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr(), n, num_heads, kv_heads, head_dim,
+            torch.get_num_threads())
+        return q
+
+
+def fused_ops_for(model: torch.nn.Module, dtype: torch.dtype,
+                  attention_name: str) -> FusedCpuOps | None:
+    """The fused ops when they apply (float32, cpu_paged) and agree with PyTorch, else None."""
+    if dtype != torch.float32 or attention_name != "cpu_paged":
+        return None
+    try:
+        ops = FusedCpuOps()
+        _check(ops, model)
+    except (RuntimeError, AssertionError) as err:
+        logger.warning("fused CPU ops unavailable (%s); the layers use PyTorch ops", err)
+        return None
+    return ops
+
+
+@torch.inference_mode()
+def _check(ops: FusedCpuOps, model: torch.nn.Module) -> None:
+    """RoPE bit for bit, RMSNorm to summation order, on the first layer's shapes."""
+    from engine.models.llama import apply_rope
+
+    layer, spec = model.layers[0], model.spec
+    generator = torch.Generator().manual_seed(0)
+    n, d = 3, spec.head_dim
+    heads = spec.num_heads + 2 * spec.num_kv_heads
+    qkv = torch.randn(n, heads * d, generator=generator)
+    cos, sin = torch.randn(n, d, generator=generator), torch.randn(n, d, generator=generator)
+    k_cache, v_cache = (torch.zeros(n, spec.num_kv_heads, d) for _ in range(2))
+    q = ops.rope_store(qkv, cos, sin, k_cache, v_cache, torch.arange(n), spec.num_heads)
+    rotated = apply_rope(qkv.view(n, heads, d)[:, :heads - spec.num_kv_heads], cos[:, None],
+                         sin[:, None])
+    assert torch.equal(torch.cat([q, k_cache], 1), rotated), "RoPE differs from PyTorch's"
+    assert torch.equal(v_cache.flatten(1), qkv[:, -spec.num_kv_heads * d:]), "V write differs"
+    x = torch.randn(n, spec.hidden_size, generator=generator)
+    norm = layer.post_attention_layernorm
+    error = (ops.rms_norm(x.clone(), norm.weight, norm.eps) - norm(x)).abs().max().item()
+    assert error <= 1e-5 * norm(x).abs().max().item(), f"RMSNorm differs by {error:.2g}"
