@@ -35,41 +35,35 @@ class DecodeRows:
     width: int  # longest ctx
 
 
-@dataclass(frozen=True)
-class CpuStep:
-    decode: DecodeRows | None
-    groups: tuple  # reference decode groups, for a pool the kernel does not read (not fp32)
-
-
 class CpuPagedAttention(AttentionBackend):
     """Decode rows through the in-place kernel, prefill rows through the reference."""
 
     name = "cpu_paged"
 
-    def prepare(self, meta: AttentionMetadata) -> CpuStep:
+    def prepare(self, meta: AttentionMetadata) -> DecodeRows | None:
         if meta.decode_token_idx is None:
-            return CpuStep(None, ())
+            return None
         visible = meta.decode_mask[:, 0, 0, :]  # [B, T] bool
         num_rows = meta.decode_token_idx.numel()
         whole_batch = num_rows == meta.slot_mapping.numel()  # decode-only: rows 0..B-1
-        rows = DecodeRows(
+        return DecodeRows(
             token_idx=None if whole_batch else meta.decode_token_idx,
             pages=meta.decode_pages.contiguous(),
             ctx=torch.tensor(meta.decode_context_lens, dtype=torch.int64),
             lo=visible.int().argmax(-1),  # first visible position
             width=max(meta.decode_context_lens))
-        return CpuStep(rows, decode_groups(meta))
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        step: CpuStep = meta.backend_state
+        rows: DecodeRows | None = meta.backend_state
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
         in_place = (k_cache.dtype == torch.float32 and k_cache.is_contiguous()
                     and v_cache.is_contiguous())
-        if step.decode is not None and in_place:
-            self._decode(q, k_cache, v_cache, meta.page_size, scale, step.decode, out)
-        elif step.decode is not None:
-            decode_reference(q, k_cache, v_cache, meta.page_size, scale, step.groups, out)
+        if rows is not None and in_place:
+            self._decode(q, k_cache, v_cache, meta.page_size, scale, rows, out)
+        elif rows is not None:  # e.g. a bfloat16 pool: the reference's grouped gather + SDPA
+            decode_reference(q, k_cache, v_cache, meta.page_size, scale, decode_groups(meta),
+                             out)
         prefill_attention(q, k_cache, v_cache, meta, scale, out)
         return out
 

@@ -46,7 +46,7 @@ def test_decode_only_step_reads_the_pool_in_place() -> None:
     k, v = random_pool(CPU, torch.float32)
     with torch.inference_mode():
         meta = prepare(16, None, [(40, 1), (3, 1), (17, 1)], 0, backend, CPU, seed=1)
-        assert meta.backend_state.decode.token_idx is None
+        assert meta.backend_state.token_idx is None
         q = torch.randn(3, HEADS, HEAD_DIM)
         torch.testing.assert_close(backend.forward(q, k, v, meta, 0.25),
                                    reference_attention(q, k, v, meta, 0.25), atol=1e-5, rtol=0)

@@ -49,7 +49,10 @@ def load_kernels() -> ctypes.CDLL:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"building the CPU kernels failed: {done.stderr[-500:]}")
-        lib = ctypes.CDLL(str(library))  # stays mapped after the file is removed
+        try:
+            lib = ctypes.CDLL(str(library))  # stays mapped after the file is removed
+        except OSError as err:  # e.g. a temporary folder mounted noexec
+            raise RuntimeError(f"loading the CPU kernels failed: {err}") from err
     for name, argtypes in SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, None

@@ -41,6 +41,8 @@ void batchyard_decode_scores(const float *q, const float *k_cache, const int64_t
                 if (t < lo[b] || t >= ctx[b]) s[h * width + t] = -INFINITY;
             }
         }
+        prefetch_page(k_cache, row_pages, lo[b] / page_size, (ctx[b] - 1) / page_size,
+                      page_size, slot_floats);
         for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
             const int64_t page = first / page_size;
             next = min64(ctx[b], (page + 1) * page_size);
@@ -72,6 +74,8 @@ void batchyard_decode_values(const float *probs, const float *v_cache, const int
         const float *p = probs + b * H * width;
         float *o = out + b * H * D;
         for (int64_t i = 0; i < H * D; ++i) o[i] = 0.0f;
+        prefetch_page(v_cache, row_pages, lo[b] / page_size, (ctx[b] - 1) / page_size,
+                      page_size, slot_floats);
         for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
             const int64_t page = first / page_size;
             next = min64(ctx[b], (page + 1) * page_size);
