@@ -24,7 +24,7 @@ from engine.attention import (
 from engine.kernels import load_kernels
 
 
-@dataclass(frozen=True)
+@dataclass
 class DecodeRows:
     """The step's single-query rows, as the kernel reads them."""
 
@@ -33,6 +33,9 @@ class DecodeRows:
     ctx: torch.Tensor  # [B] int64: keys visible end at ctx
     lo: torch.Tensor  # [B] int64: ... and start at lo (> 0 under a sliding window)
     width: int  # longest ctx
+    # The reference's decode groups, built by the first layer that needs them (a pool the
+    # kernel does not read, e.g. bfloat16) and shared by the others.
+    groups: tuple | None = None
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -62,8 +65,9 @@ class CpuPagedAttention(AttentionBackend):
         if rows is not None and in_place:
             self._decode(q, k_cache, v_cache, meta.page_size, scale, rows, out)
         elif rows is not None:  # e.g. a bfloat16 pool: the reference's grouped gather + SDPA
-            decode_reference(q, k_cache, v_cache, meta.page_size, scale, decode_groups(meta),
-                             out)
+            if rows.groups is None:
+                rows.groups = decode_groups(meta)
+            decode_reference(q, k_cache, v_cache, meta.page_size, scale, rows.groups, out)
         prefill_attention(q, k_cache, v_cache, meta, scale, out)
         return out
 
