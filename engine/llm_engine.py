@@ -74,7 +74,9 @@ class LLMEngine:
         prepare_attention(runner, config.attention_backend, config.max_num_seqs,
                           config.max_num_batched_tokens or config.max_num_seqs * max_model_len)
         if hasattr(model, "use_fused_cpu_ops"):
-            model.use_fused_cpu_ops(fused_ops_for(model, dtype, runner.attention.name))
+            ops = fused_ops_for(model, dtype, runner.attention.name)
+            model.use_fused_cpu_ops(ops)
+            runner.greedy = ops.greedy if ops is not None else None
         eos = _eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
                     device, dtype, config.batching, max_model_len)

@@ -16,7 +16,7 @@ from engine.attention import (
 )
 from engine.models.loader import ModelSpec
 from engine.outputs import SampledToken
-from engine.sampler import sample
+from engine.sampler import GreedyKernel, sample
 from engine.scheduler.base import ScheduledBatch
 
 
@@ -32,6 +32,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.page_size = page_size_for(block_size)
+        self.greedy: GreedyKernel | None = None  # a faster argmax + logprob (CPU kernels)
         # [layers, 2, num_blocks * block_size, num_kv_heads, head_dim]; zeroed so padding is finite
         self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads,
                                     spec.head_dim, dtype=dtype, device=device)
@@ -51,8 +52,8 @@ class ModelRunner:
         rows = torch.tensor([last_rows[i] for i in sampled], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S, vocab] float32
         out: list[SampledToken | None] = [None] * len(batch.seqs)
-        for i, token in zip(sampled, sample(logits, [batch.seqs[i] for i in sampled]),
-                            strict=True):
+        for i, token in zip(sampled, sample(logits, [batch.seqs[i] for i in sampled],
+                                            self.greedy), strict=True):
             out[i] = token
         return out
 

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.outputs import SampledToken
 from engine.sequence import Sequence
 
+# logits [S, vocab] → (argmax ids, their log-probabilities), or None where it cannot tell
+GreedyKernel = Callable[[torch.Tensor], tuple[list[int], list[float]] | None]
+
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's seed space
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           greedy: GreedyKernel | None = None) -> list[SampledToken]:
     """logits [S, vocab] float32, one row per sequence → one sampled token per row.
 
     Processors run in transformers' order: repetition penalty, min-new-tokens EOS mask, then
     temperature, top-k and top-p before drawing, so greedy rows equal `generate` exactly.
+    A batch of plain greedy rows (no processor, no top_logprobs) goes to `greedy` when given:
+    the same argmax, the log-probability to float rounding.
     """
+    if greedy is not None and all(_plain_greedy(seq) for seq in seqs):
+        picked = greedy(logits)
+        if picked is not None:
+            return [SampledToken(token, lp, ()) for token, lp in zip(*picked, strict=True)]
     logprobs = torch.log_softmax(logits, dim=-1)  # [S, vocab] of the raw model distribution
     processed = _apply_penalties(logits, seqs)
     chosen = processed.argmax(dim=-1)  # [S]
@@ -42,8 +54,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     out = logits
     for i, seq in enumerate(seqs):
         p = seq.params
-        min_tokens_active = (not p.ignore_eos and seq.num_output_tokens < p.min_new_tokens
-                             and seq.eos_token_ids)
+        min_tokens_active = _min_tokens_active(seq)
         if p.repetition_penalty == 1.0 and not min_tokens_active:
             continue
         if out is logits:
@@ -57,6 +68,19 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         if min_tokens_active:
             row[list(seq.eos_token_ids)] = float("-inf")
     return out
+
+
+def _min_tokens_active(seq: Sequence) -> bool:
+    """EOS is still masked: fewer than min_new_tokens generated (and EOS not ignored)."""
+    p = seq.params
+    return bool(not p.ignore_eos and seq.num_output_tokens < p.min_new_tokens
+                and seq.eos_token_ids)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return (p.greedy and p.repetition_penalty == 1.0 and p.top_logprobs == 0
+            and not _min_tokens_active(seq))
 
 
 def _draw(row: torch.Tensor, seq: Sequence, greedy_choice: int) -> int:

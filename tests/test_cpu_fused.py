@@ -1,5 +1,5 @@
-"""The fused CPU ops (engine/kernels/fused_ops.c) against the PyTorch ops they replace, when the
-engine turns them on, and that a kernel which disagrees is never used."""
+"""The fused CPU ops (engine/kernels/fused_ops.c, greedy.c) against the PyTorch ops they replace,
+when the engine turns them on, and that a kernel which disagrees is never used."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import engine.kernels as kernels
 from engine.attention import store_kv
 from engine.models.cpu_fused import FusedCpuOps, fused_ops_for
 from engine.models.llama import RMSNorm, apply_rope
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 
@@ -48,12 +51,15 @@ def test_rms_norm_adds_the_residual_in_place_and_normalises() -> None:
 
 
 def test_on_only_with_the_cpu_kernel_backend_in_float32(tmp_path) -> None:
-    model = make_engine(build_tiny_model(tmp_path), "paged").runner.model
+    runner = make_engine(build_tiny_model(tmp_path), "paged").runner
+    model = runner.model
     assert all(layer.fused is not None for layer in model.layers)
+    assert runner.greedy is not None
     assert fused_ops_for(model, torch.bfloat16, "cpu_paged") is None
     assert fused_ops_for(model, torch.float32, "reference") is None
-    reference = make_engine(tmp_path, "paged", attention_backend="reference").runner.model
-    assert all(layer.fused is None for layer in reference.layers)
+    reference = make_engine(tmp_path, "paged", attention_backend="reference").runner
+    assert all(layer.fused is None for layer in reference.model.layers)
+    assert reference.greedy is None
 
 
 def test_a_fused_op_that_disagrees_is_not_used(tmp_path, monkeypatch, caplog) -> None:
@@ -66,3 +72,42 @@ def test_a_fused_op_that_disagrees_is_not_used(tmp_path, monkeypatch, caplog) ->
     monkeypatch.setattr(FusedCpuOps, "rope_store", off_by_one)
     assert fused_ops_for(model, torch.float32, "cpu_paged") is None
     assert "RoPE differs" in caplog.text
+
+
+@torch.inference_mode()
+def test_greedy_kernel_matches_argmax_and_log_softmax() -> None:
+    torch.manual_seed(2)
+    logits = 5 * torch.randn(6, 1000)
+    logits[0, 10] = logits[0, 900] = logits[0].max() + 1  # a tie: the first index wins
+    logits[1, :500] = float("-inf")  # masked tokens (min_new_tokens' EOS mask)
+    logits[2] = 0.0  # all equal
+    ids, logprobs = FusedCpuOps().greedy(logits)
+    assert ids == logits.argmax(-1).tolist() and ids[0] == 10 and ids[2] == 0
+    want = torch.log_softmax(logits, -1).max(-1).values
+    torch.testing.assert_close(torch.tensor(logprobs), want, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_greedy_kernel_leaves_nan_and_infinity_to_pytorch(bad) -> None:
+    logits = torch.randn(3, 100)
+    logits[1, 40] = bad
+    assert FusedCpuOps().greedy(logits) is None
+
+
+def test_sampler_uses_the_greedy_kernel_only_for_plain_greedy_rows() -> None:
+    calls = []
+
+    def kernel(logits):
+        calls.append(logits.shape[0])
+        return [7] * logits.shape[0], [-0.5] * logits.shape[0]
+
+    def seq(**params):
+        return Sequence(0, [1, 2], SamplingParams(max_new_tokens=4, **params), frozenset({0}), 0)
+
+    logits = torch.randn(2, 10)
+    assert [t.token_id for t in sample(logits, [seq(), seq(min_new_tokens=0)], kernel)] == [7, 7]
+    for other in ({"top_logprobs": 2}, {"repetition_penalty": 1.3}, {"min_new_tokens": 2},
+                  {"do_sample": True, "seed": 1}):
+        tokens = sample(logits, [seq(), seq(**other)], kernel)
+        assert tokens[0].token_id == int(logits[0].argmax())  # PyTorch's path for the batch
+    assert calls == [2]

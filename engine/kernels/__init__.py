@@ -1,5 +1,5 @@
-"""CPU kernels in plain C (paged_decode.c, fused_ops.c), compiled once per process and loaded
-with ctypes.
+"""CPU kernels in plain C (paged_decode.c, fused_ops.c, greedy.c), compiled once per process
+and loaded with ctypes.
 
 Why C: see each file's header. No library we can depend on has these for a paged pool on CPU
 (vLLM's kernels ship only inside vLLM), so a few loops are compiled with the system C compiler
@@ -22,7 +22,10 @@ logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # -ffp-contract=off: no fused multiply-add where PyTorch rounds a product and a sum apart.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+# -fno-trapping-math: no FP exceptions are trapped here, so a float compare may become a vector
+# select (the clamp in greedy.c's exp); it changes no result.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
+         "-shared", "-fPIC"]
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _DECODE = [_PTR] * 6 + [_I64] * 7  # pointers, then B, H, Hkv, D, page_size, max_pages, width
 SIGNATURES = {
@@ -30,6 +33,7 @@ SIGNATURES = {
     "batchyard_decode_values": [*_DECODE, _INT],
     "batchyard_add_rms_norm": [_PTR] * 4 + [_I64, _I64, _F32, _INT],
     "batchyard_rope_store": [_PTR] * 7 + [_I64] * 4 + [_INT],
+    "batchyard_greedy": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT],
 }
 
 

@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 class FusedCpuOps:
-    """RMSNorm (with the residual add before it) and RoPE + KV write, one C call each."""
+    """RMSNorm (with the residual add before it), RoPE + KV write and greedy sampling, one C
+    call each."""
 
     def __init__(self) -> None:
         self.lib = load_kernels()
@@ -44,6 +45,20 @@ class FusedCpuOps:
             torch.get_num_threads())
         return q
 
+    def greedy(self, logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
+        """logits [S, vocab] float32 → (argmax ids, log-probabilities); None when a row holds
+        NaN or infinity (PyTorch defines those)."""
+        logits = logits.contiguous()
+        rows, vocab = logits.shape
+        chosen = torch.empty(rows, dtype=torch.int64)
+        logprob = torch.empty(rows)
+        ok = torch.empty(rows, dtype=torch.int32)
+        self.lib.batchyard_greedy(logits.data_ptr(), rows, vocab, chosen.data_ptr(),
+                                  logprob.data_ptr(), ok.data_ptr(), torch.get_num_threads())
+        if not bool(ok.all()):
+            return None
+        return chosen.tolist(), logprob.tolist()
+
 
 def fused_ops_for(model: torch.nn.Module, dtype: torch.dtype,
                   attention_name: str) -> FusedCpuOps | None:
@@ -61,7 +76,8 @@ def fused_ops_for(model: torch.nn.Module, dtype: torch.dtype,
 
 @torch.inference_mode()
 def _check(ops: FusedCpuOps, model: torch.nn.Module) -> None:
-    """RoPE bit for bit, RMSNorm to summation order, on the first layer's shapes."""
+    """RoPE bit for bit; RMSNorm and the greedy logprob to rounding; the argmax exactly; on
+    the first layer's shapes."""
     from engine.models.llama import apply_rope
 
     layer, spec = model.layers[0], model.spec
@@ -80,3 +96,8 @@ def _check(ops: FusedCpuOps, model: torch.nn.Module) -> None:
     norm = layer.post_attention_layernorm
     error = (ops.rms_norm(x.clone(), norm.weight, norm.eps) - norm(x)).abs().max().item()
     assert error <= 1e-5 * norm(x).abs().max().item(), f"RMSNorm differs by {error:.2g}"
+    logits = 5 * torch.randn(n, spec.vocab_size, generator=generator)
+    ids, logprobs = ops.greedy(logits)
+    want = torch.log_softmax(logits, -1).max(-1)
+    assert ids == logits.argmax(-1).tolist(), "greedy argmax differs"
+    assert torch.allclose(torch.tensor(logprobs), want.values, atol=1e-4), "logprob differs"
