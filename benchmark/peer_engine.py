@@ -1,7 +1,7 @@
 """batchyard's own engine as an offline peer: LLMEngine.step() in-process, no HTTP.
 
 vLLM and transformers run offline in `bench peers`; this runs batchyard the same way, on the
-same workload file and protocol as peer_worker.py, so the table holds a like-for-like row (and
+same workload file and protocol (peer_protocol.py), so the table holds a like-for-like row (and
 the difference to the served figure is what HTTP streaming costs on that machine).
 
     python -m benchmark.peer_engine --properties P --model-dir DIR --workload W.json \
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark.peer_worker import FIRST_TOKENS, closed_loop, warmup_requests
+from benchmark.peer_protocol import FIRST_TOKENS, closed_loop, warmup_requests
 
 logger = logging.getLogger("peer_engine")
 DTYPE_SETTING = {"float32": "fp32", "bfloat16": "bf16"}

@@ -25,7 +25,6 @@ from benchmark.workloads import Job
 
 logger = logging.getLogger(__name__)
 
-WORKER = Path(__file__).with_name("peer_worker.py")
 ENGINE_PROPERTIES = Path(__file__).resolve().parent.parent / "serving.properties.d" / \
     "paged.properties"
 VLLM_REQUIREMENTS = Path(__file__).with_name("peer-requirements-vllm.txt")
@@ -106,7 +105,7 @@ def run_peer(name: str, python: Path, workload: Path, concurrency: int, model_di
                       f"{INSTALL_HINT} (or `batchyard bench peers --install-vllm`); no log")
     raw.unlink(missing_ok=True)
     worker = ["-m", "benchmark.peer_engine", "--properties", str(engine_properties)] \
-        if name == "batchyard" else [str(WORKER)]
+        if name == "batchyard" else ["-m", "benchmark.peer_worker"]
     argv = [str(python), *worker, "--peer", name, "--model-dir", str(model_dir),
             "--workload", str(workload), "--concurrency", str(concurrency), "--out", str(raw),
             "--dtype", dtype]
@@ -117,9 +116,9 @@ def run_peer(name: str, python: Path, workload: Path, concurrency: int, model_di
     # Offline by construction: the model is a local folder, and vLLM must not phone home.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if name == "batchyard":  # `-m benchmark.peer_engine` from any working directory
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(ENGINE_PROPERTIES.parent.parent), *filter(None, [env.get("PYTHONPATH")])])
+    # `-m benchmark.…` from any working directory and any virtualenv (vLLM's has no batchyard)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ENGINE_PROPERTIES.parent.parent), *filter(None, [env.get("PYTHONPATH")])])
     started = time.monotonic()
     with open(log, "wb") as out:
         # A session of its own: on a timeout the whole tree goes (vLLM forks an engine process
