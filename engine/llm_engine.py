@@ -203,19 +203,23 @@ class LLMEngine:
 
 def _pack_linears(model: torch.nn.Module, config: EngineConfig, device: torch.device,
                   dtype: torch.dtype) -> None:
-    """oneDNN matmuls on CPU (`auto` falls back to aten if they disagree at start-up)."""
-    from engine.models.linear import use_onednn
+    """Packed CPU matmuls: `auto` tries the tiled kernel, then oneDNN, then keeps aten; a
+    backend asked for by name that fails or disagrees at start-up stops it."""
+    from engine.models.linear import linear_candidates
 
-    if not use_onednn(config.linear_backend, device, dtype):
+    candidates = linear_candidates(config.linear_backend, device, dtype)
+    for backend in candidates:
+        try:
+            count = model.pack_linears(backend, min(config.max_num_seqs, 64))
+        except Exception as err:  # noqa: BLE001 - a kernel that fails or disagrees: next one
+            if config.linear_backend == backend:
+                raise ValueError(f"invalid linear_backend={backend!r}: {err}") from err
+            logger.warning("linear_backend auto: %s failed (%s); trying the next", backend, err)
+            continue
+        logger.info("linear backend: %s, %d packed weights", backend, count)
         return
-    try:
-        count = model.pack_linears(min(config.max_num_seqs, 64))
-    except Exception as err:  # noqa: BLE001 - a kernel that fails or disagrees: keep aten
-        if config.linear_backend == "onednn":
-            raise ValueError(f"invalid linear_backend='onednn': {err}") from err
-        logger.warning("linear_backend auto: %s; using aten matmuls", err)
-        return
-    logger.info("linear backend: oneDNN, %d packed weights", count)
+    if candidates:
+        logger.warning("linear_backend auto: no packed backend agreed; using aten matmuls")
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

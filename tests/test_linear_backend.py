@@ -1,4 +1,5 @@
-"""oneDNN matmuls with packed weights: same tokens as aten, checked at start-up, selectable."""
+"""Packed CPU matmuls (the tiled C kernel, oneDNN): same tokens as aten, checked at start-up,
+selectable, and `auto` falls back from one to the next."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from torch import nn
 
 from engine.llm_engine import _pack_linears
 from engine.models import linear
-from engine.models.linear import PackedLinear, pack_linears, packed_checked, use_onednn
+from engine.models.linear import (
+    PackedLinear,
+    TiledLinear,
+    linear_candidates,
+    linear_factory,
+    pack_linears,
+    packed_checked,
+)
 from tests.engine_harness import Req, drive, make_engine
 from tests.models_fixtures import build_tiny_model
 
@@ -35,15 +43,16 @@ def test_packed_engine_gives_the_aten_engines_tokens(tmp_path, arch) -> None:
     path = build_tiny_model(tmp_path, arch=arch)
     prompts = [[5, 9, 40, 7], list(range(3, 30)), [11] * 9]
     tokens = {}
-    for backend in ("aten", "onednn"):
+    kind = {"aten": nn.Linear, "onednn": PackedLinear, "tiled": TiledLinear}
+    for backend in ("aten", "onednn", "tiled"):
         engine = make_engine(path, "paged", block_size=4, max_num_seqs=3,
                              linear_backend=backend)
         model = engine.runner.model
-        kinds = {type(m) for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)}
-        assert kinds == ({PackedLinear} if backend == "onednn" else {nn.Linear})
+        kinds = {type(m) for m in model.modules() if isinstance(m, tuple(kind.values()))}
+        assert kinds == {kind[backend]}
         assert (model.lm_head is None) == (backend == "aten" and arch == "llama_tied_llama3")
         tokens[backend] = greedy_tokens(engine, prompts)
-    assert tokens["onednn"] == tokens["aten"]
+    assert tokens["onednn"] == tokens["aten"] == tokens["tiled"]
 
 
 def test_packed_linear_matches_f_linear_for_any_batch() -> None:
@@ -57,57 +66,100 @@ def test_packed_linear_matches_f_linear_for_any_batch() -> None:
             torch.testing.assert_close(packed(strided), layer(strided), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 4, 6, 7, 13, 25, 37])
+def test_tiled_linear_matches_f_linear_for_any_batch(rows) -> None:
+    """Rows in passes of up to 6 (7 = 4 + 3, 25 = 5 x 5), a last tile of 8 of 16 columns."""
+    layer = nn.Linear(24, 40)
+    tiled = TiledLinear(layer.weight, layer.bias)
+    plain = TiledLinear(layer.weight, None)
+    with torch.inference_mode():
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(tiled(x), layer(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain(x), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
+        strided = torch.randn(24, rows).t()  # a transposed view: not contiguous
+        torch.testing.assert_close(tiled(strided), layer(strided), rtol=1e-5, atol=1e-5)
+        batched = torch.randn(2, 3, 24)  # any leading shape, as nn.Linear
+        torch.testing.assert_close(tiled(batched), layer(batched), rtol=1e-5, atol=1e-5)
+        with pytest.raises(TypeError, match="computes float32"):
+            tiled(x.double())
+
+
 def test_selection_and_its_errors() -> None:
-    assert use_onednn("auto", CPU, torch.float32)
+    assert linear_candidates("auto", CPU, torch.float32) == ["tiled", "onednn"]
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # needs AVX-512 BW or AVX-NE-CONVERT
-    assert use_onednn("auto", CPU, torch.bfloat16) == bf16
-    assert not use_onednn("auto", torch.device("cuda"), torch.float32)  # CPU only
-    assert not use_onednn("aten", CPU, torch.float32)
-    assert not use_onednn("auto", CPU, torch.float16)  # no packed fp16 path: aten
+    assert linear_candidates("auto", CPU, torch.bfloat16) == (["onednn"] if bf16 else [])
+    assert linear_candidates("auto", torch.device("cuda"), torch.float32) == []  # CPU only
+    assert linear_candidates("aten", CPU, torch.float32) == []
+    assert linear_candidates("onednn", CPU, torch.float32) == ["onednn"]
+    assert linear_candidates("tiled", CPU, torch.float32) == ["tiled"]
+    assert linear_candidates("auto", CPU, torch.float16) == []  # no packed fp16 path: aten
     with pytest.raises(ValueError, match="linear_backend='onednn': needs a CPU with oneDNN"):
-        use_onednn("onednn", CPU, torch.float16)
+        linear_candidates("onednn", CPU, torch.float16)
+    with pytest.raises(ValueError, match="linear_backend='tiled': needs a CPU and float32"):
+        linear_candidates("tiled", CPU, torch.bfloat16)
     with pytest.raises(ValueError, match="invalid linear_backend='mkl'"):
-        use_onednn("mkl", CPU, torch.float32)
+        linear_candidates("mkl", CPU, torch.float32)
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 oneDNN")
 def test_bf16_weights_pack_and_agree() -> None:
     layer = nn.Linear(64, 96).to(torch.bfloat16)
-    packed = packed_checked(layer.weight, layer.bias, 8, "bf16 layer")
+    packed = packed_checked(linear_factory("onednn", 8), layer.weight, layer.bias, "bf16")
     with torch.inference_mode():
         x = torch.randn(5, 64).to(torch.bfloat16)
         torch.testing.assert_close(packed(x).float(), layer(x).float(), rtol=2e-2, atol=2e-2)
 
 
-def test_a_kernel_that_fails_leaves_aten_matmuls(tmp_path, monkeypatch, caplog) -> None:
-    """A oneDNN error (an unsupported CPU, say) under auto: aten, and the tied head untouched."""
+def broken(message: str):
+    def init(*args, **kwargs):
+        raise RuntimeError(message)
+    return init
+
+
+def test_a_tiled_kernel_that_fails_falls_back_to_onednn(tmp_path, monkeypatch, caplog) -> None:
+    """No C compiler, say: auto packs with oneDNN; tiled asked for by name stops start-up."""
     engine = make_engine(build_tiny_model(tmp_path, arch="llama_tied_llama3"), "paged",
                          linear_backend="aten")
     model = engine.runner.model
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("mkldnn: unsupported on this CPU")
-
-    monkeypatch.setattr(linear.PackedLinear, "__init__", broken)
+    monkeypatch.setattr(linear.TiledLinear, "__init__", broken("no C compiler"))
+    with pytest.raises(ValueError, match="invalid linear_backend='tiled': no C compiler"):
+        _pack_linears(model, replace(engine.config, linear_backend="tiled"), CPU, torch.float32)
+    assert model.lm_head is None  # nothing half-packed
     _pack_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
-    assert "unsupported on this CPU; using aten matmuls" in caplog.text
-    assert model.lm_head is None and all(type(m) is not PackedLinear for m in model.modules())
+    assert "tiled failed (no C compiler); trying the next" in caplog.text
+    assert type(model.lm_head) is PackedLinear
+
+
+def test_kernels_that_fail_leave_aten_matmuls(tmp_path, monkeypatch, caplog) -> None:
+    """Both packed backends fail under auto: aten, and the tied head untouched."""
+    engine = make_engine(build_tiny_model(tmp_path, arch="llama_tied_llama3"), "paged",
+                         linear_backend="aten")
+    model = engine.runner.model
+    monkeypatch.setattr(linear.TiledLinear, "__init__", broken("no C compiler"))
+    monkeypatch.setattr(linear.PackedLinear, "__init__", broken("mkldnn: unsupported"))
+    _pack_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
+    assert "no packed backend agreed; using aten matmuls" in caplog.text
+    assert model.lm_head is None and all(type(m) is nn.Linear for m in model.modules()
+                                         if isinstance(m, nn.Linear | PackedLinear | TiledLinear))
     with pytest.raises(ValueError, match="invalid linear_backend='onednn': mkldnn: unsupported"):
         _pack_linears(model, replace(engine.config, linear_backend="onednn"), CPU,
                       torch.float32)
 
 
 def test_a_disagreeing_kernel_is_caught_at_start_up(tmp_path, monkeypatch, caplog) -> None:
-    """auto keeps aten matmuls; onednn asked for by name stops start-up; nothing half-packed."""
+    """auto keeps aten matmuls; a backend asked for by name stops start-up; nothing half-packed."""
     engine = make_engine(build_tiny_model(tmp_path), "paged", linear_backend="aten")
     model = engine.runner.model
     monkeypatch.setattr(linear, "TOLERANCE", {torch.float32: -1.0})  # any difference fails
-    with pytest.raises(ValueError, match="differs from aten"):
-        pack_linears(model)
-    assert all(type(m) is not PackedLinear for m in model.modules())
-    config = engine.config
-    with pytest.raises(ValueError, match="invalid linear_backend='onednn'"):
-        _pack_linears(model, replace(config, linear_backend="onednn"), CPU, torch.float32)
-    _pack_linears(model, replace(config, linear_backend="auto"), CPU, torch.float32)
+    for backend in ("onednn", "tiled"):
+        with pytest.raises(ValueError, match="packed linear .* differs from aten"):
+            pack_linears(model, backend)
+        assert all(type(m) is nn.Linear for m in model.modules()
+                   if isinstance(m, nn.Linear | PackedLinear | TiledLinear))
+        with pytest.raises(ValueError, match=f"invalid linear_backend='{backend}'"):
+            _pack_linears(model, replace(engine.config, linear_backend=backend), CPU,
+                          torch.float32)
+    _pack_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
     assert "using aten matmuls" in caplog.text
-    assert all(type(m) is not PackedLinear for m in model.modules())
+    assert all(type(m) is nn.Linear for m in model.modules()
+               if isinstance(m, nn.Linear | PackedLinear | TiledLinear))

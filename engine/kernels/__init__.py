@@ -1,4 +1,4 @@
-"""CPU kernels in plain C (paged_decode.c, fused_ops.c, greedy.c), compiled once per process
+"""CPU kernels in plain C (paged_decode.c, fused_ops.c, greedy.c, gemm.c), compiled once per process
 and loaded with ctypes.
 
 Why C: see each file's header. No library we can depend on has these for a paged pool on CPU
@@ -21,7 +21,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
-# -ffp-contract=off: no fused multiply-add where PyTorch rounds a product and a sum apart.
+# -ffp-contract=off: no fused multiply-add where PyTorch rounds a product and a sum apart
+# (gemm.c turns it back on for itself: a matmul's summation order is its own anyway).
 # -fno-trapping-math: no FP exceptions are trapped here, so a float compare may become a vector
 # select (the clamp in greedy.c's exp); it changes no result.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
@@ -34,6 +35,8 @@ SIGNATURES = {
     "batchyard_add_rms_norm": [_PTR] * 4 + [_I64, _I64, _F32, _INT],
     "batchyard_rope_store": [_PTR] * 7 + [_I64] * 4 + [_INT],
     "batchyard_greedy": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT],
+    "batchyard_gemm_pack": [_PTR, _I64, _I64, _PTR],
+    "batchyard_gemm": [_PTR] * 4 + [_I64] * 3 + [_INT],
 }
 
 

@@ -1,23 +1,56 @@
-"""Linear layers on CPU through oneDNN, with each weight packed once at load.
+"""Linear layers on CPU with each weight packed once at load: our tiled kernel or oneDNN.
 
 PyTorch's CPU `F.linear` goes to the BLAS it was built with (MKL), which on some x86 CPUs
 (AMD EPYC among them) picks a slow path: 2.5-4x slower than oneDNN on the decode shapes of a
-small model. PyTorch exposes oneDNN's linear with a pre-packed (blocked) weight as
-torch.ops.mkldnn ops; they are called directly here, without compiling the model. Results
-differ from MKL's only by float rounding order (the start-up check bounds it).
+small model. oneDNN, in turn, does not overlap the weight stream with the arithmetic at decode
+sizes; engine/kernels/gemm.c does (float32 only; its header gives the figures). Both replace
+nn.Linear without compiling the model; results differ from MKL's only by float rounding order
+(each shape is checked at start-up).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-LINEAR_BACKENDS = ("auto", "onednn", "aten")
-# Packed weights are blocked for a batch of this many rows; any batch runs, this one fastest.
+from engine.kernels import load_kernels
+
+LINEAR_BACKENDS = ("auto", "tiled", "onednn", "aten")
+# oneDNN's packed weights are blocked for a batch of this many rows; any batch runs.
 DECODE_BATCH_HINT = 32
-# Largest |oneDNN - aten| allowed, relative to the largest |aten| output, at start-up.
+# Largest |packed - aten| allowed, relative to the largest |aten| output, at start-up.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+GEMM_TILE = 16  # output columns per tile in engine/kernels/gemm.c
+
+
+class TiledLinear(nn.Module):
+    """y = x W^T + b through engine/kernels/gemm.c; x [N, in] → y [N, out], float32 on CPU."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.lib = load_kernels()
+        self.out_features, self.in_features = weight.shape
+        tiles = -(-self.out_features // GEMM_TILE)
+        # NOTE: a plain attribute, not a parameter: [tiles, in, 16] has no nn.Linear layout.
+        self.tiles = torch.empty(tiles * self.in_features * GEMM_TILE)
+        weight = weight.detach().float().contiguous()
+        self.lib.batchyard_gemm_pack(weight.data_ptr(), self.out_features, self.in_features,
+                                     self.tiles.data_ptr())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()  # [N, in]
+        if rows.dtype != torch.float32:
+            raise TypeError(f"TiledLinear computes float32, got {rows.dtype}")
+        y = torch.empty(rows.shape[0], self.out_features)  # [N, out]
+        self.lib.batchyard_gemm(rows.data_ptr(), self.tiles.data_ptr(),
+                                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                                rows.shape[0], self.out_features, self.in_features,
+                                torch.get_num_threads())
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -44,23 +77,40 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def use_onednn(name: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `linear_backend=name` packs the model's linears; ValueError if it cannot."""
+def linear_candidates(name: str, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The packed backends `linear_backend=name` tries, in order ([]: aten's nn.Linear);
+    ValueError when a backend asked for by name cannot run on this device and dtype."""
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"invalid linear_backend={name!r}: must be one of "
                          f"{', '.join(LINEAR_BACKENDS)}")
+    tiled = device.type == "cpu" and dtype == torch.float32
+    if name == "tiled" and not tiled:
+        raise ValueError(f"invalid linear_backend='tiled': needs a CPU and float32, not "
+                         f"{device.type}/{dtype}")
     if name == "onednn" and not onednn_supported(device, dtype):
         raise ValueError(f"invalid linear_backend='onednn': needs a CPU with oneDNN and "
                          f"float32 or bfloat16, not {device.type}/{dtype}")
-    return name == "onednn" or (name == "auto" and onednn_supported(device, dtype))
+    if name != "auto":
+        return [] if name == "aten" else [name]
+    return [b for b, ok in (("tiled", tiled), ("onednn", onednn_supported(device, dtype))) if ok]
 
 
-def pack_linears(model: nn.Module, batch_hint: int = DECODE_BATCH_HINT) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear; returns how many were replaced.
+def linear_factory(backend: str, batch_hint: int = DECODE_BATCH_HINT
+                   ) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module]:
+    """(weight, bias) → the packed layer of `backend` ("tiled" or "onednn")."""
+    if backend == "tiled":
+        return TiledLinear
+    return lambda weight, bias: PackedLinear(weight, bias, batch_hint)
+
+
+def pack_linears(model: nn.Module, backend: str = "onednn",
+                 batch_hint: int = DECODE_BATCH_HINT) -> int:
+    """Replace every nn.Linear in `model` by `backend`'s packed layer; returns how many.
 
     One layer of each shape is first checked against F.linear: ValueError (nothing replaced)
     when it disagrees. Layers are then swapped one at a time, so only one weight is held twice.
     """
+    make = linear_factory(backend, batch_hint)
     # (parent, attribute) only: holding the layers themselves would keep every old weight alive
     found = [(parent, name) for parent in model.modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
@@ -69,29 +119,33 @@ def pack_linears(model: nn.Module, batch_hint: int = DECODE_BATCH_HINT) -> int:
         child = getattr(parent, name)
         key = (tuple(child.weight.shape), child.weight.dtype, child.bias is not None)
         if key not in checked:
-            packed_checked(child.weight, child.bias, batch_hint, name)
+            packed_checked(make, child.weight, child.bias, name)
             checked.add(key)
     for parent, name in found:
         child = getattr(parent, name)
-        setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint))
+        setattr(parent, name, make(child.weight, child.bias))
     return len(found)
 
 
-def packed_checked(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int,
-                   name: str) -> PackedLinear:
-    """A PackedLinear of `weight` that agrees with F.linear, or ValueError naming `name`."""
-    packed = PackedLinear(weight, bias, batch_hint)
+def packed_checked(make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
+                   weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> nn.Module:
+    """make(weight, bias) when it agrees with F.linear, or ValueError naming `name`."""
+    packed = make(weight, bias)
     error = _relative_error(weight, bias, packed)
     if error > TOLERANCE[weight.dtype]:
-        raise ValueError(f"oneDNN linear {name} differs from aten by {error:.1e} (relative)")
+        raise ValueError(f"packed linear {name} differs from aten by {error:.1e} (relative)")
     return packed
 
 
 @torch.inference_mode()
-def _relative_error(weight: torch.Tensor, bias: torch.Tensor | None,
-                    packed: PackedLinear) -> float:
+def _relative_error(weight: torch.Tensor, bias: torch.Tensor | None, packed: nn.Module) -> float:
+    """On 3 and 13 rows: the tiled kernel handles rows in passes of up to 6 (13 = 5 + 4 + 4)."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, weight.shape[1], generator=generator).to(weight.dtype)
-    want = F.linear(x, weight, bias).float()
-    got = packed(x).float()
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    worst = 0.0
+    for rows in (3, 13):
+        x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
+        want = F.linear(x, weight, bias).float()
+        got = packed(x).float()
+        error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        worst = max(worst, error)
+    return worst

@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, store_kv
 from engine.models.cpu_fused import FusedCpuOps
-from engine.models.linear import pack_linears, packed_checked
+from engine.models.linear import linear_factory, pack_linears, packed_checked
 from engine.models.loader import ModelSpec
 
 
@@ -161,13 +161,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.fused = ops
 
-    def pack_linears(self, batch_hint: int) -> int:
-        """Every matmul through oneDNN (engine.models.linear). A tied lm_head gets a packed
-        copy of the embedding (vocab x hidden more memory), the lookup keeps the original."""
+    def pack_linears(self, backend: str, batch_hint: int) -> int:
+        """Every matmul through a packed CPU backend (engine.models.linear). A tied lm_head gets
+        a packed copy of the embedding (vocab x hidden more memory), the lookup keeps the
+        original."""
         tied = None
         if self.lm_head is None:
-            tied = packed_checked(self.embed_tokens.weight, None, batch_hint, "lm_head (tied)")
-        count = pack_linears(self, batch_hint)
+            tied = packed_checked(linear_factory(backend, batch_hint), self.embed_tokens.weight,
+                                  None, "lm_head (tied)")
+        count = pack_linears(self, backend, batch_hint)
         if tied is not None:
             self.lm_head, count = tied, count + 1
         return count
