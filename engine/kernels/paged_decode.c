@@ -16,22 +16,29 @@
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* The pool is far larger than the caches and a row's pages are scattered over it, which no
- * hardware prefetcher can guess: the next page is requested while this one is used. */
+ * hardware prefetcher can guess: a row's first page is requested at once, and each later page
+ * slot by slot while the page before it is used (one slot's lines per slot computed), so the
+ * requests keep pace with the arithmetic instead of filling the miss buffers in one burst. */
+static inline void prefetch_lines(const float *start, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(start + i);
+}
+
 static inline void prefetch_page(const float *cache, const int64_t *row_pages, int64_t page,
                                  int64_t last_page, int64_t page_size, int64_t slot_floats) {
     if (page > last_page) return;
-    const float *start = cache + row_pages[page] * page_size * slot_floats;
-    for (int64_t i = 0; i < page_size * slot_floats; i += 16) __builtin_prefetch(start + i);
+    prefetch_lines(cache + row_pages[page] * page_size * slot_floats, page_size * slot_floats);
 }
 
 /* Positions first .. *next - 1 lie in one page (*next: its end, at most `end`): returns the pool
- * row of `first`; the following rows are consecutive. Prefetches the page after. */
+ * row of `first`; the following rows are consecutive. *ahead: the same slot of the row's next
+ * page (the current one's when there is none), to prefetch from slot by slot. */
 static inline const float *page_run(const float *cache, const int64_t *row_pages, int64_t first,
                                     int64_t end, int64_t page_size, int64_t slot_floats,
-                                    int64_t *next) {
+                                    int64_t *next, const float **ahead) {
     const int64_t page = first / page_size;
+    const int64_t ahead_page = page + 1 <= (end - 1) / page_size ? page + 1 : page;
     *next = min64(end, (page + 1) * page_size);
-    prefetch_page(cache, row_pages, page + 1, (end - 1) / page_size, page_size, slot_floats);
+    *ahead = cache + (row_pages[ahead_page] * page_size + first % page_size) * slot_floats;
     return cache + (row_pages[page] * page_size + first % page_size) * slot_floats;
 }
 
@@ -55,9 +62,10 @@ void batchyard_decode_scores(const float *q, const float *k_cache, const int64_t
         prefetch_page(k_cache, row_pages, lo[b] / page_size, (ctx[b] - 1) / page_size,
                       page_size, slot_floats);
         for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
-            const float *row =
-                page_run(k_cache, row_pages, first, ctx[b], page_size, slot_floats, &next);
-            for (int64_t t = first; t < next; ++t, row += slot_floats) {
+            const float *ahead, *row = page_run(k_cache, row_pages, first, ctx[b], page_size,
+                                                slot_floats, &next, &ahead);
+            for (int64_t t = first; t < next; ++t, row += slot_floats, ahead += slot_floats) {
+                prefetch_lines(ahead, slot_floats);
                 for (int64_t h = 0; h < H; ++h) {
                     const float *k = row + (h / G) * D, *qh = qb + h * D;
                     float acc = 0.0f;
@@ -84,9 +92,10 @@ void batchyard_decode_values(const float *probs, const float *v_cache, const int
         prefetch_page(v_cache, row_pages, lo[b] / page_size, (ctx[b] - 1) / page_size,
                       page_size, slot_floats);
         for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
-            const float *row =
-                page_run(v_cache, row_pages, first, ctx[b], page_size, slot_floats, &next);
-            for (int64_t t = first; t < next; ++t, row += slot_floats) {
+            const float *ahead, *row = page_run(v_cache, row_pages, first, ctx[b], page_size,
+                                                slot_floats, &next, &ahead);
+            for (int64_t t = first; t < next; ++t, row += slot_floats, ahead += slot_floats) {
+                prefetch_lines(ahead, slot_floats);
                 for (int64_t h = 0; h < H; ++h) {
                     const float *v = row + (h / G) * D, w = p[h * width + t];
                     float *oh = o + h * D;
