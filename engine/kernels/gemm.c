@@ -3,10 +3,10 @@
  * A decode step multiplies a few dozen rows by every weight of the model, read from memory once.
  * With oneDNN on a 2-core CPU the weight stream and the arithmetic took turns: at 25 rows the
  * weights of a whole model took 78-105 ms from memory against about 70 ms with the same weights
- * in cache, and at 5 rows the stream ran at half the memory's bandwidth. Here each thread walks
- * its tiles in memory order and, while it computes one tile, prefetches the next, spread over
- * the passes it makes over the current one, so both go on at once: the same 25 rows take
- * 42-55 ms, 5 rows 25-30 ms (this file's test and README give the figures).
+ * in cache, and at 5 rows the stream ran at about half the memory's bandwidth. Here each thread
+ * walks its tiles in memory order and, while it computes one tile, prefetches the next, spread
+ * over the passes it makes over the current one, so both go on at once: the same 25 rows take
+ * 42-55 ms, 5 rows 25-30 ms (README, How it works, gives the measurements).
  *
  * Packed layout: tile t holds output columns 16t .. 16t+15 as [K][16] (zero-padded past N).
  * Each tile is computed in passes of at most MAX_ROWS rows (12 vector accumulators: what 16
