@@ -24,8 +24,7 @@ static inline void prefetch_lines(const float *start, int64_t floats) {
 }
 
 static inline void prefetch_page(const float *cache, const int64_t *row_pages, int64_t page,
-                                 int64_t last_page, int64_t page_size, int64_t slot_floats) {
-    if (page > last_page) return;
+                                 int64_t page_size, int64_t slot_floats) {
     prefetch_lines(cache + row_pages[page] * page_size * slot_floats, page_size * slot_floats);
 }
 
@@ -59,8 +58,7 @@ void batchyard_decode_scores(const float *q, const float *k_cache, const int64_t
                 if (t < lo[b] || t >= ctx[b]) s[h * width + t] = -INFINITY;
             }
         }
-        prefetch_page(k_cache, row_pages, lo[b] / page_size, (ctx[b] - 1) / page_size,
-                      page_size, slot_floats);
+        prefetch_page(k_cache, row_pages, lo[b] / page_size, page_size, slot_floats);
         for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
             const float *ahead, *row = page_run(k_cache, row_pages, first, ctx[b], page_size,
                                                 slot_floats, &next, &ahead);
@@ -89,8 +87,7 @@ void batchyard_decode_values(const float *probs, const float *v_cache, const int
         const float *p = probs + b * H * width;
         float *o = out + b * H * D;
         for (int64_t i = 0; i < H * D; ++i) o[i] = 0.0f;
-        prefetch_page(v_cache, row_pages, lo[b] / page_size, (ctx[b] - 1) / page_size,
-                      page_size, slot_floats);
+        prefetch_page(v_cache, row_pages, lo[b] / page_size, page_size, slot_floats);
         for (int64_t first = lo[b], next; first < ctx[b]; first = next) {
             const float *ahead, *row = page_run(v_cache, row_pages, first, ctx[b], page_size,
                                                 slot_floats, &next, &ahead);
