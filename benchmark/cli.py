@@ -10,7 +10,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmark.loadgen import LoadPlan
-from benchmark.options import add_load_options, load_plan, size_bytes, workload_jobs
+from benchmark.options import (
+    add_load_options,
+    load_plan,
+    requests_for,
+    size_bytes,
+    workload_jobs,
+)
 from benchmark.peers import DEFAULT_VLLM_VENV
 from benchmark.workloads import Job
 
@@ -46,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="append to every properties file, e.g. option.max_model_len=1024")
     sweep.add_argument("--peers", default="", metavar="NAMES",
                        help=f"also run these peers, comma-separated ({', '.join(PEERS)})")
+    sweep.add_argument("--requests-for", action="append", default=[], metavar="STRATEGY=N",
+                       help="another --requests for one strategy, e.g. none=32: no batching "
+                       "serves one request at a time, so its rate settles after few requests")
     _peer_options(sweep)
 
     peers = sub.add_parser("peers", help="the same workload on transformers and vLLM, offline")
@@ -145,6 +154,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if names:
         _check_peer_plan(args)
     files = args.properties or default_properties(ROOT / "serving.properties.d")
+    per_strategy = requests_for(args.requests_for, [f.stem for f in files])
     if args.kv_cache_memory:
         size_bytes(args.kv_cache_memory, "--kv-cache-memory")
     overrides = args.set + ([f"option.kv_cache_memory={args.kv_cache_memory}"]
@@ -153,7 +163,7 @@ def _sweep(args: argparse.Namespace) -> int:
     plan = load_plan(args)
     logger.info("workload: %s; %s", described, plan.describe())
     results = run_sweep(files, jobs, plan, args.out, args.warmup, overrides, args.model_dir,
-                        not args.no_stream, described)
+                        not args.no_stream, described, per_strategy)
     print(results_table(results))
     failed = any("error" in r or r["num_errors"] for r in results.values())
     if names:

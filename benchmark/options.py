@@ -41,6 +41,21 @@ def load_plan(args: argparse.Namespace) -> LoadPlan:
     return LoadPlan(args.concurrency, requests, args.duration, args.rate, args.seed)
 
 
+def requests_for(values: list[str], strategies: list[str]) -> dict[str, int]:
+    """`--requests-for none=32 …` as {strategy: requests}, each name one of `strategies`."""
+    counts: dict[str, int] = {}
+    for value in values:
+        name, _, count = value.partition("=")
+        if name not in strategies:
+            raise ValueError(f"--requests-for: {name!r} is not a strategy of this sweep "
+                             f"({', '.join(strategies)})")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--requests-for: {value!r} needs a whole number of requests >= 1, "
+                             "e.g. none=32")
+        counts[name] = int(count)
+    return counts
+
+
 def workload_jobs(args: argparse.Namespace, model_dir: Path | None) -> tuple[list[Job], str]:
     """The jobs (cycled by the load generator) and a one-line description of them."""
     outputs = Lengths.parse(args.output_tokens, "--output-tokens")

@@ -6,7 +6,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +39,27 @@ def with_overrides(properties: Path, overrides: list[str], out_dir: Path,
 def run_sweep(files: list[Path], jobs: list[Job], plan: LoadPlan, out_dir: Path,
               warmup: int = 3, overrides: list[str] | None = None,
               model_dir: Path | None = None, stream: bool = True,
-              workload: str = "") -> dict[str, dict]:
-    """Load each strategy in turn; returns {name: report or error}, also written to out_dir."""
+              workload: str = "", requests_for: dict[str, int] | None = None
+              ) -> dict[str, dict]:
+    """Load each strategy in turn; returns {name: report or error}, also written to out_dir.
+    `requests_for` gives some strategies another number of requests than `plan`'s."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     for path in files:
         name = path.stem
+        counts = requests_for or {}
+        own_plan = replace(plan, num_requests=counts[name]) if name in counts else plan
         props = with_overrides(path, overrides or [], out_dir)
         logger.info("strategy %s: starting the server with %s", name, props)
         head: dict[str, Any] = {"properties": str(path), "overrides": overrides or [],
-                                "workload": workload, "load": plan.describe()}
+                                "workload": workload, "load": own_plan.describe()}
         try:
             with local_server(props, out_dir / f"{name}.server.log", model_dir) as url:
                 target = HTTPTarget(url)
                 if warmup:
                     run_load(target, jobs[:warmup], LoadPlan(min(warmup, plan.concurrency),
                                                              warmup), stream, progress=False)
-                report = run_load(target, jobs, plan, stream, f"{url}/metrics")
+                report = run_load(target, jobs, own_plan, stream, f"{url}/metrics")
             results[name] = {**head, **asdict(report),
                              "kv_workload_concurrency": workload_concurrency(report)}
         except ServerStartError as err:

@@ -78,7 +78,8 @@ def _ms(value: float | None) -> str:
 def results_table(results: dict[str, dict]) -> str:
     """A markdown table, one row per entry; failed rows say why; peers' notes follow it."""
     head = ["name", "req/s", "output tok/s", "TTFT p50 (s)", "ITL p50 / p99 (ms)",
-            "e2e p50 / p99 (s)", "mean batch", "KV holds: workload / max-len seqs", "errors"]
+            "e2e p50 / p99 (s)", "mean batch", "KV holds: workload / max-len seqs",
+            "requests (errors)"]
     rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     notes = []
     for name, r in results.items():
@@ -93,7 +94,7 @@ def results_table(results: dict[str, dict]) -> str:
                 " / ".join(_ms(percentile(r, "inter_token", p)) for p in ("p50", "p99")),
                 " / ".join(_seconds(percentile(r, "e2e", p)) for p in ("p50", "p99")),
                 _fmt(server.get("mean_batch_size"), ".1f"),
-                _holds(r), str(r.get("num_errors", 0))]
+                _holds(r), f"{r.get('num_requests', '?')} ({r.get('num_errors', 0)})"]
         rows.append("| " + " | ".join(cells) + " |")
         if is_peer(r) and r.get("note"):
             notes.append(f"- **{name}**: {r['note']}")

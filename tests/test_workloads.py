@@ -9,7 +9,7 @@ import random
 import pytest
 
 from benchmark.loadgen import LoadPlan
-from benchmark.options import add_load_options, load_plan, workload_jobs
+from benchmark.options import add_load_options, load_plan, requests_for, workload_jobs
 from benchmark.workloads import Lengths, jsonl_jobs, synthetic_jobs, word_pool
 from tests.models_fixtures import build_tokenizer
 
@@ -87,6 +87,17 @@ def test_options_build_the_plan_and_the_workload(tmp_path) -> None:
         workload_jobs(parse("--workload", str(tmp_path / "missing.jsonl")), None)
     with pytest.raises(ValueError, match="request rate must be > 0"):
         LoadPlan(4, 10, request_rate=0)
+
+
+def test_requests_for_names_a_strategy_of_the_sweep_and_a_count() -> None:
+    strategies = ["none", "dynamic", "paged"]
+    assert requests_for(["none=32", "paged=320"], strategies) == {"none": 32, "paged": 320}
+    assert requests_for([], strategies) == {}
+    with pytest.raises(ValueError, match="'vllm' is not a strategy of this sweep"):
+        requests_for(["vllm=5"], strategies)
+    for bad in ("none=0", "none=-3", "none=lots", "none"):
+        with pytest.raises(ValueError, match="needs a whole number of requests >= 1"):
+            requests_for([bad], strategies)
 
 
 def test_synthetic_lengths_count_the_bos_token_the_server_adds(tmp_path) -> None:
