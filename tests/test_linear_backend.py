@@ -4,11 +4,13 @@ selectable, and `auto` falls back from one to the next."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from engine.kernels import build_kernels
 from engine.llm_engine import _pack_linears
 from engine.models import linear
 from engine.models.linear import (
@@ -68,7 +70,8 @@ def test_packed_linear_matches_f_linear_for_any_batch() -> None:
 
 @pytest.mark.parametrize("rows", [0, 1, 4, 6, 7, 13, 25, 37])
 def test_tiled_linear_matches_f_linear_for_any_batch(rows) -> None:
-    """Rows in passes of up to 6 (7 = 4 + 3, 25 = 5 x 5), a last tile of 8 of 16 columns."""
+    """Rows in passes of up to 6 (AVX2: 7 = 4 + 3, 25 = 5 x 5) or 8 (AVX-512: 13 = 7 + 6,
+    37 = 5 passes), a last tile of 8 of 16 columns, alone in its block of two on AVX-512."""
     layer = nn.Linear(24, 40)
     tiled = TiledLinear(layer.weight, layer.bias)
     plain = TiledLinear(layer.weight, None)
@@ -82,6 +85,21 @@ def test_tiled_linear_matches_f_linear_for_any_batch(rows) -> None:
         torch.testing.assert_close(tiled(batched), layer(batched), rtol=1e-5, atol=1e-5)
         with pytest.raises(TypeError, match="computes float32"):
             tiled(x.double())
+
+
+@pytest.mark.skipif("avx512f" not in Path("/proc/cpuinfo").read_text()
+                    if Path("/proc/cpuinfo").is_file() else True, reason="needs AVX-512")
+def test_tiled_linear_gives_the_same_bits_with_avx512_and_avx2() -> None:
+    """Blocks of two tiles in 16-float vectors, or one tile in 8-float vectors: each output is
+    the same sum over k in the same order, so the two builds must agree bit for bit."""
+    layer = nn.Linear(200, 72)  # 5 tiles: two blocks of two and one tile alone
+    tiled = TiledLinear(layer.weight, layer.bias)
+    avx2 = TiledLinear(layer.weight, layer.bias)
+    avx2.lib = build_kernels(("-mno-avx512f",))
+    with torch.inference_mode():
+        for rows in (1, 5, 8, 13, 28):
+            x = torch.randn(rows, 200)
+            assert torch.equal(tiled(x), avx2(x)), rows
 
 
 def test_selection_and_its_errors() -> None:

@@ -47,12 +47,19 @@ def compiler() -> str | None:
 @functools.cache
 def load_kernels() -> ctypes.CDLL:
     """Compiles the C sources for this CPU and loads them; RuntimeError when it cannot."""
+    lib = build_kernels()
+    logger.info("CPU kernels built with %s", compiler())
+    return lib
+
+
+def build_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """A fresh build of the C sources with FLAGS + extra_flags (tests build for other CPUs)."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH to build the CPU kernels")
     with tempfile.TemporaryDirectory(prefix="batchyard-kernels-") as tmp:
         library = Path(tmp) / "batchyard_kernels.so"
-        command = [cc, *FLAGS, *map(str, SOURCES), "-o", str(library)]
+        command = [cc, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", str(library)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"building the CPU kernels failed: {done.stderr[-500:]}")
@@ -63,5 +70,4 @@ def load_kernels() -> ctypes.CDLL:
     for name, argtypes in SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, None
-    logger.info("CPU kernels built with %s", cc)
     return lib
