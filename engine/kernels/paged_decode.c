@@ -15,6 +15,35 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* A head's dot product and its weighted add, with D a constant for the usual head sizes so the
+ * compiler unrolls them. Callers walk the heads KV head by KV head: the earlier loops over h,
+ * with runtime D and an integer division per head to find its KV head, took 9.0 ms for a
+ * batch-28 step's attention with the pool in cache against 7.1 ms (11.1 / 10.4 from memory) on
+ * a 2-vCPU AVX-512 Xeon. */
+static inline __attribute__((always_inline)) float dot_n(const float *a, const float *b,
+                                                         int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+    return acc;
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    return D == 64 ? dot_n(a, b, 64) : D == 128 ? dot_n(a, b, 128) : dot_n(a, b, D);
+}
+
+static inline __attribute__((always_inline)) void axpy_n(float w, const float *v, float *o,
+                                                         int64_t n) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) o[d] += w * v[d];
+}
+
+static inline void axpy(float w, const float *v, float *o, int64_t D) {
+    if (D == 64) axpy_n(w, v, o, 64);
+    else if (D == 128) axpy_n(w, v, o, 128);
+    else axpy_n(w, v, o, D);
+}
+
 /* The pool is far larger than the caches and a row's pages are scattered over it, which no
  * hardware prefetcher can guess: a row's first page is requested at once, and each later page
  * slot by slot while the page before it is used (one slot's lines per slot computed), so the
@@ -64,13 +93,9 @@ void batchyard_decode_scores(const float *q, const float *k_cache, const int64_t
                                                 slot_floats, &next, &ahead);
             for (int64_t t = first; t < next; ++t, row += slot_floats, ahead += slot_floats) {
                 prefetch_lines(ahead, slot_floats);
-                for (int64_t h = 0; h < H; ++h) {
-                    const float *k = row + (h / G) * D, *qh = qb + h * D;
-                    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t d = 0; d < D; ++d) acc += qh[d] * k[d];
-                    s[h * width + t] = acc * scale;
-                }
+                for (int64_t kh = 0, h = 0; kh < Hkv; ++kh)
+                    for (int64_t g = 0; g < G; ++g, ++h)
+                        s[h * width + t] = dot(qb + h * D, row + kh * D, D) * scale;
             }
         }
     }
@@ -93,12 +118,9 @@ void batchyard_decode_values(const float *probs, const float *v_cache, const int
                                                 slot_floats, &next, &ahead);
             for (int64_t t = first; t < next; ++t, row += slot_floats, ahead += slot_floats) {
                 prefetch_lines(ahead, slot_floats);
-                for (int64_t h = 0; h < H; ++h) {
-                    const float *v = row + (h / G) * D, w = p[h * width + t];
-                    float *oh = o + h * D;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) oh[d] += w * v[d];
-                }
+                for (int64_t kh = 0, h = 0; kh < Hkv; ++kh)
+                    for (int64_t g = 0; g < G; ++g, ++h)
+                        axpy(p[h * width + t], row + kh * D, o + h * D, D);
             }
         }
     }
