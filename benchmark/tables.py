@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 SWEEP_FILE = "sweep.json"
@@ -112,18 +113,28 @@ def _holds(entry: dict) -> str:
 
 
 def workload_line(results: dict[str, dict]) -> str:
-    """What the load was, from the first strategy that ran ("" when none did)."""
-    done = [r for r in results.values() if succeeded(r) and not is_peer(r)]
+    """What the load was, from the strategies that ran ("" when none did): the load most of them
+    had, and the request count of any that had another (`bench sweep --requests-for`)."""
+    done = {name: r for name, r in results.items() if succeeded(r) and not is_peer(r)}
     if not done:
         return ""
-    r = done[0]
+    loads = {name: _load(r) for name, r in done.items()}
+    common = Counter(loads.values()).most_common(1)[0][0]
+    r = next(r for name, r in done.items() if loads[name] == common)
     workload = r.get("workload")
     if isinstance(workload, dict):  # a structured description: its name, if it has one
         workload = workload.get("name")
-    load = r.get("load")
-    if not isinstance(load, str):
-        load = f"{r.get('concurrency', '?')} clients, {r.get('num_requests', '?')} requests"
+    others = [f"{name}: {done[name].get('num_requests', '?')} requests"
+              for name, load in loads.items() if load != common]
+    load = common + (f" ({', '.join(others)})" if others else "")
     return "; ".join(part for part in (workload, load) if isinstance(part, str) and part)
+
+
+def _load(r: dict) -> str:
+    load = r.get("load")
+    if isinstance(load, str):
+        return load
+    return f"{r.get('concurrency', '?')} clients, {r.get('num_requests', '?')} requests"
 
 
 def _ranked(results: dict[str, dict], peers: bool) -> list[tuple[float, str]]:

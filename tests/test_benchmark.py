@@ -15,7 +15,7 @@ from benchmark.loadgen import HTTPTarget, LoadPlan, SageMakerTarget, percentiles
 from benchmark.servers import ServerStartError, local_server
 from benchmark.stall import run_stall
 from benchmark.sweep import run_sweep
-from benchmark.tables import results_table
+from benchmark.tables import results_table, workload_line
 from benchmark.workloads import Job, lmi_jobs
 from tests.models_fixtures import build_tiny_model
 
@@ -95,6 +95,21 @@ def test_sweep_writes_one_result_per_strategy_and_reports_a_failed_start(model_d
     assert "option.rolling_batch='sideways'" in results["broken"]["error"]
     saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert set(saved) == {"continuous", "broken"}
+
+
+def test_workload_line_names_a_strategy_that_ran_its_own_request_count() -> None:
+    """The figures' subtitle: the load most strategies had, not the first one's (`none` ran
+    32 of a 320-request sweep), and which ran another count; peers and failures don't count."""
+    def entry(n: int, **extra) -> dict:
+        return {"requests_per_s": 1.0, "num_requests": n, "workload": "LMI study",
+                "load": f"closed loop, 32 clients, until {n} requests", **extra}
+    results = {"none": entry(32), "dynamic": entry(320), "paged": entry(320),
+               "hf-static": entry(7, kind="peer"), "broken": {"error": "failed", "load": "x"}}
+    assert workload_line(results) == ("LMI study; closed loop, 32 clients, until 320 requests "
+                                      "(none: 32 requests)")
+    del results["none"]
+    assert workload_line(results) == "LMI study; closed loop, 32 clients, until 320 requests"
+    assert workload_line({"broken": {"error": "failed"}}) == ""
 
 
 def test_server_that_never_answers_is_reported_not_hung_on(model_dir, tmp_path) -> None:
