@@ -110,7 +110,7 @@ def test_notebook_runs_a_sweep_and_shows_table_figures_and_verdict(tmp_path) -> 
 @pytest.mark.slow
 def test_notebook_shows_the_published_run_when_there_are_no_results(tmp_path) -> None:
     """A reader with a fresh checkout (no results of their own) sees the README's run."""
-    published = NOTEBOOK.parent.parent / "docs" / "benchmark" / "cpu-2026-11-23-g"
+    published = NOTEBOOK.parent.parent / "docs" / "benchmark" / "cpu-2026-11-24-j"
     before = {p.name: p.stat().st_mtime for p in published.iterdir()}
     executed = tmp_path / "executed.ipynb"
     papermill.execute_notebook(NOTEBOOK, executed, kernel_name="python3", cwd=NOTEBOOK.parent,

@@ -24,7 +24,7 @@
 #if defined(__AVX512F__)
 /* A block is two tiles, one 16-float vector of each per row, so each broadcast input feeds two
  * FMAs. 8 rows (16 accumulators): at 24-32 rows, 4 passes with the next block's prefetch spread
- * over all of them ran a decode step's matmuls in 31-34 ms, against 30-38 ms with 12-row passes
+ * over all of them ran a decode step's matmuls in 31-35 ms, against 30-38 ms with 12-row passes
  * (README, How it works). */
 typedef float vec __attribute__((vector_size(64)));
 #define BLOCK_TILES 2
