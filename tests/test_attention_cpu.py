@@ -11,7 +11,7 @@ import engine.backends as backends
 import engine.kernels as kernels
 from engine.attention import ReferenceAttention, reference_attention
 from engine.attention_check import check_or_fall_back
-from engine.attention_cpu import CpuPagedAttention
+from engine.attention_cpu import CpuPagedAttention, DecodeRows
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 from tests.test_attention_backends import CASES, HEAD_DIM, HEADS, prepare, random_pool
@@ -89,24 +89,16 @@ def test_engine_on_cpu_uses_the_kernel(tmp_path) -> None:
 @pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 have their own unrolled loops
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
 def test_decode_kernel_for_each_head_size(head_dim, heads, kv_heads) -> None:
-    """The C loops directly, on scattered pages with a window start, against plain torch."""
-    lib = kernels.load_kernels()
+    """The kernel path, on scattered pages with a window start, against plain torch."""
     torch.manual_seed(5)
     page, max_pages, batch = 16, 4, 3
     k_pool, v_pool = (torch.randn(40 * page, kv_heads, head_dim) for _ in range(2))
     pages = torch.stack([torch.randperm(40)[:max_pages] for _ in range(batch)])  # [B, pages]
     ctx, lo = torch.tensor([50, 7, 64]), torch.tensor([0, 0, 20])
-    width = max_pages * page
     q = torch.randn(batch, heads, head_dim)
-    scores = torch.empty(batch, heads, width)  # [B, H, width]
     out = torch.empty(batch, heads, head_dim)  # [B, H, D]
-    shape = (batch, heads, kv_heads, head_dim, page, max_pages, width)
-    common = (pages.data_ptr(), ctx.data_ptr(), lo.data_ptr())
-    lib.batchyard_decode_scores(q.data_ptr(), k_pool.data_ptr(), *common, scores.data_ptr(),
-                                *shape, 0.125, 2)
-    probs = torch.softmax(scores, -1)
-    lib.batchyard_decode_values(probs.data_ptr(), v_pool.data_ptr(), *common, out.data_ptr(),
-                                *shape, 2)
+    rows = DecodeRows(token_idx=None, pages=pages, ctx=ctx, lo=lo, width=int(ctx.max()))
+    CpuPagedAttention()._decode(q, k_pool, v_pool, page, 0.125, rows, out)
     for b in range(batch):
         slots = (pages[b, :, None] * page + torch.arange(page)).flatten()[lo[b]:ctx[b]]
         k = k_pool[slots].repeat_interleave(heads // kv_heads, 1)  # [T, H, D]
