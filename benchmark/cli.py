@@ -137,9 +137,9 @@ def _load(args: argparse.Namespace) -> int:
     stream = not args.no_stream
     logger.info("workload: %s; %s", described, plan.describe())
     if args.warmup:
-        run_load(target, jobs[:args.warmup], LoadPlan(args.warmup, args.warmup), stream,
-                 progress=False)
-    report = run_load(target, jobs, plan, stream, metrics_url)
+        run_load(target, jobs[:args.warmup], LoadPlan(args.warmup, args.warmup),
+                 stream=stream, progress=False)
+    report = run_load(target, jobs, plan, stream=stream, metrics_url=metrics_url)
     print(report.table())
     if args.json:
         args.json.write_text(report.to_json())
@@ -162,8 +162,9 @@ def _sweep(args: argparse.Namespace) -> int:
     jobs, described = workload_jobs(args, args.model_dir)
     plan = load_plan(args)
     logger.info("workload: %s; %s", described, plan.describe())
-    results = run_sweep(files, jobs, plan, args.out, args.warmup, overrides, args.model_dir,
-                        not args.no_stream, described, per_strategy)
+    results = run_sweep(files, jobs, plan, args.out, warmup=args.warmup, overrides=overrides,
+                        model_dir=args.model_dir, stream=not args.no_stream, workload=described,
+                        requests_for=per_strategy)
     print(results_table(results))
     failed = any("error" in r or r["num_errors"] for r in results.values())
     if names:
@@ -198,7 +199,7 @@ def _run_peers(args: argparse.Namespace, names: list[str], jobs: list[Job]) -> b
     from benchmark.peers import ENGINE_PROPERTIES, install_vllm, run_peers
     from benchmark.sweep import with_overrides
     from benchmark.tables import results_table
-    from handler.default_model import ensure_default_model
+    from handler.model_source.default_model import ensure_default_model
 
     python = args.vllm_venv / "bin" / "python"
     unavailable = {}
@@ -235,7 +236,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _stall(args: argparse.Namespace) -> int:
     from benchmark.servers import local_server
     from benchmark.stall import long_prompt, run_stall
-    from handler.default_model import ensure_default_model
+    from handler.model_source.default_model import ensure_default_model
 
     model_dir = args.model_dir or ensure_default_model()
     prompt = long_prompt(model_dir, args.long_prompt_tokens)
@@ -258,7 +259,7 @@ def _stall(args: argparse.Namespace) -> int:
 
 def _decode(args: argparse.Namespace) -> int:
     from benchmark.decode import run_decode
-    from handler.default_model import ensure_default_model
+    from handler.model_source.default_model import ensure_default_model
 
     report = run_decode(args.model_dir or ensure_default_model(), args.new_tokens, args.dtype)
     print(f"batch-1 decode, {report.new_tokens} tokens, {args.dtype}: batchyard "
@@ -270,7 +271,7 @@ def _decode(args: argparse.Namespace) -> int:
 
 def _random_model(args: argparse.Namespace) -> int:
     from benchmark.random_model import build_random_llama
-    from handler.default_model import ensure_default_model
+    from handler.model_source.default_model import ensure_default_model
 
     num_params = build_random_llama(args.out, args.tokenizer_from or ensure_default_model(),
                                     args.preset, args.dtype, args.device, args.seed)

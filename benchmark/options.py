@@ -78,7 +78,7 @@ def workload_jobs(args: argparse.Namespace, model_dir: Path | None) -> tuple[lis
 
 def size_bytes(text: str, what: str) -> int:
     """`720MiB`, `2GiB`, `4096`… as bytes (the units serving.properties accepts)."""
-    from handler.serving_config import parse_size
+    from handler.config.serving_config import parse_size
 
     size = parse_size(text)
     if size is None:
@@ -89,7 +89,7 @@ def size_bytes(text: str, what: str) -> int:
 def _tokenizer(model_dir: Path | None):  # noqa: ANN202 - a transformers tokenizer
     """The model's tokenizer makes synthetic prompt lengths exact (the embedded default
     model's when no folder is given and it is on disk)."""
-    from handler.default_model import default_model_dir
+    from handler.model_source.default_model import default_model_dir
 
     folder = model_dir or default_model_dir()
     if not (folder / "tokenizer_config.json").is_file():

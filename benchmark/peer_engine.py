@@ -28,8 +28,8 @@ DTYPE_SETTING = {"float32": "fp32", "bfloat16": "bf16"}
 def build_engine(properties: Path, model_dir: Path, dtype: str, kv_cache_bytes: int | None):
     """The engine the server would build from `properties`, with the peers' dtype and budget."""
     from engine import LLMEngine
-    from handler.properties import Setting, collect_settings
-    from handler.serving_config import build_serving_config
+    from handler.config.properties import Setting, collect_settings
+    from handler.config.serving_config import build_serving_config
 
     settings = collect_settings(properties, {})
     settings["option.dtype"] = Setting(DTYPE_SETTING[dtype], "--dtype")

@@ -13,13 +13,13 @@ from pathlib import Path
 from botocore.exceptions import ClientError
 
 from deploy.aws import Aws, DeployError, aws_errors, error_code, is_access_denied, translate
-from handler.properties import ConfigError, model_id_setting, parse_properties
+from engine import PICKLE_SUFFIXES
+from handler.config.properties import ConfigError, model_id_setting, parse_properties
 
 logger = logging.getLogger(__name__)
 
 KEY_ROOT = "batchyard"
-# Never uploaded: unpickling can run arbitrary code (engine.models.loader refuses them too).
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# PICKLE_SUFFIXES are never uploaded: the engine refuses to load them (unpickling runs code).
 # Weights, config, tokenizer (json, merges/vocab text, sentencepiece, tiktoken) and chat template.
 UPLOAD_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".tiktoken", ".jinja")
 _NOT_FOUND = {"404", "NoSuchBucket", "NotFound"}

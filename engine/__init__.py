@@ -1,14 +1,32 @@
-"""batchyard's engine: the public façade for the handler. No flask, no env reads here."""
+"""batchyard's engine. This module is its public face: the handler imports from here only.
 
-from engine.config import BATCHING_STRATEGIES, EngineConfig
+A caller builds an EngineConfig, starts an EngineClient, turns text into token ids with it,
+submits GenerationRequests and reads TokenEvents from the RequestHandles it gets back; gauges()
+is what /ping and /metrics report. LLMEngine is the same engine without the thread, for
+offline use. No flask and no env reads in engine/; importing this module does not import torch.
+"""
+
+from engine.client import EngineClient
+from engine.config import (
+    ATTENTION_BACKENDS,
+    BATCHING_STRATEGIES,
+    DEVICES,
+    DTYPES,
+    LINEAR_BACKENDS,
+    EngineConfig,
+)
+from engine.inputs import GenerationRequest
 from engine.llm_engine import LLMEngine
-from engine.loop import EngineDeadError, EngineLoop, QueueFullError, RequestHandle
-from engine.outputs import StepStats, TokenEvent
-from engine.sampling_params import RequestError, SamplingParams
+from engine.loop import EngineDeadError, QueueFullError, RequestHandle
+from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
+from engine.outputs import Gauges, StepStats, TokenEvent
+from engine.sampling_params import MAX_TOP_LOGPROBS, RequestError, SamplingParams
 from engine.sequence import FinishReason
 
 __all__ = [
-    "BATCHING_STRATEGIES", "EngineConfig", "EngineDeadError", "EngineLoop", "FinishReason",
-    "LLMEngine", "QueueFullError", "RequestError", "RequestHandle", "SamplingParams", "StepStats",
+    "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "DEVICES", "DTYPES", "LINEAR_BACKENDS",
+    "MAX_TOP_LOGPROBS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "EngineClient", "EngineConfig",
+    "EngineDeadError", "FinishReason", "Gauges", "GenerationRequest", "LLMEngine",
+    "QueueFullError", "RequestError", "RequestHandle", "SamplingParams", "StepStats",
     "TokenEvent",
 ]

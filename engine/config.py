@@ -7,6 +7,11 @@ from dataclasses import dataclass
 BATCHING_STRATEGIES = ("none", "dynamic", "continuous", "paged")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+# auto: a fast kernel where one fits the device, else the pure-PyTorch reference
+# (engine/attention/select.py).
+ATTENTION_BACKENDS = ("auto", "reference", "flex", "cpu_paged")
+# auto: packed CPU matmuls, our tiled kernel then oneDNN, else aten (engine/models/linear.py).
+LINEAR_BACKENDS = ("auto", "tiled", "onednn", "aten")
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # auto: a fast kernel where one fits the device, else the pure-PyTorch reference.
     attention_backend: str = "auto"
-    # auto: oneDNN matmuls with packed weights on CPU (see engine/models/linear.py), else aten.
+    # auto: packed CPU matmuls (tiled kernel, then oneDNN), else aten; see LINEAR_BACKENDS.
     linear_backend: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False

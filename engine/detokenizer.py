@@ -22,7 +22,7 @@ class IncrementalText:
         self.text = ""
         self._num_sent = 0
 
-    def add(self, token_id: int, check_stop: bool) -> tuple[str, bool]:
+    def add(self, token_id: int, *, check_stop: bool) -> tuple[str, bool]:
         """Decode one token; returns (new text to emit, whether a stop string ended the text)."""
         piece = self._stream.step(self._tokenizer, token_id) or ""
         searched_from = max(0, len(self.text) - self._holdback)

@@ -6,18 +6,15 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalText
-from engine.kv_budget import build_allocator, default_budget_bytes, max_concurrency, plan_kv
-from engine.outputs import SampledToken, StepStats, TokenEvent
+from engine.inputs import GenerationRequest
+from engine.kv.budget import build_allocator, default_budget_bytes, max_concurrency, plan_kv
+from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
 from engine.sampling_params import RequestError, SamplingParams
 from engine.scheduler import SCHEDULERS, ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +27,8 @@ class _Request:
 
 
 class LLMEngine:
-    """Owns the scheduler, the runner and every in-flight request; one loop thread drives it."""
+    """Owns the scheduler, the runner and every in-flight request. Not thread-safe: EngineLoop
+    drives it from one thread when serving; offline callers add requests and step() it."""
 
     def __init__(self, config: EngineConfig, tokenizer, scheduler: Scheduler, runner,
                  max_model_len: int, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
@@ -50,18 +48,20 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load tokenizer and weights, size the KV pool, build the strategy's scheduler."""
+        # Imported here so that `import engine` (the handler choosing a strategy) skips torch.
         from transformers import AutoTokenizer
 
-        from engine.attention_check import prepare_attention
-        from engine.backends import select_attention_backend
+        from engine.attention.check import prepare_attention
+        from engine.attention.select import select_attention_backend
         from engine.model_runner import ModelRunner
         from engine.models.cpu_fused import fused_ops_for
-        from engine.models.loader import load_model, resolve_device, resolve_dtype
+        from engine.models.linear import pack_model_linears
+        from engine.models.loader import eos_token_ids, load_model, resolve_device, resolve_dtype
 
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         model, spec = load_model(config.model, dtype, device)
-        _pack_linears(model, config, device, dtype)
+        pack_model_linears(model, config, device, dtype)
         tokenizer = AutoTokenizer.from_pretrained(
             config.model, trust_remote_code=config.trust_remote_code, local_files_only=True)
         max_model_len = _max_model_len(config, spec.max_position_embeddings)
@@ -77,7 +77,7 @@ class LLMEngine:
             ops = fused_ops_for(model, dtype, runner.attention.name)
             model.use_fused_cpu_ops(ops)
             runner.greedy = ops.greedy if ops is not None else None
-        eos = _eos_token_ids(Path(config.model), tokenizer)
+        eos = eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
                     device, dtype, config.batching, max_model_len)
         logger.info("KV pool: %d blocks of %d tokens, %.1f MiB (sized by %s); at most %d "
@@ -87,8 +87,10 @@ class LLMEngine:
 
     # --- requests ---
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError if this request can never run (empty, too long, bad token ids)."""
+    def validate(self, prompt_token_ids: list[int] | tuple[int, ...],
+                 params: SamplingParams) -> None:
+        """Raise RequestError if this request can never run (empty, too long, bad token ids).
+        Reads only what is fixed at start-up, so any thread may call it."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("inputs must not be empty (0 tokens after tokenization)", "inputs")
@@ -102,13 +104,19 @@ class LLMEngine:
         if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
             raise RequestError(f"token ids must be in [0, {self.vocab_size})", "inputs")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
                     params: SamplingParams) -> None:
-        """Queue a validated request under a caller-chosen unique id."""
+        """Validate and queue a request under a caller-chosen unique id (offline use)."""
         self.validate(prompt_token_ids, params)
+        self.add_validated(request_id, GenerationRequest(tuple(prompt_token_ids), params))
+
+    def add_validated(self, request_id: str, request: GenerationRequest) -> None:
+        """Queue a request that passed validate(); the loop's inbox lands here."""
         assert request_id not in self._ids, f"duplicate request id {request_id}"
+        params = request.params
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(self._next_seq_id, prompt_token_ids, params, self.eos_token_ids, seed)
+        seq = Sequence(self._next_seq_id, list(request.prompt_token_ids), params,
+                       self.eos_token_ids, seed)
         self._next_seq_id += 1
         text = IncrementalText(self.tokenizer.backend_tokenizer, params.stop)
         self._requests[seq.seq_id] = _Request(request_id, seq, text)
@@ -171,6 +179,18 @@ class LLMEngine:
             kv_blocks_used=allocator.num_used_blocks, kv_blocks_total=allocator.num_blocks,
             num_preemptions=self.scheduler.num_preemptions, step_seconds=seconds)
 
+    def gauges(self) -> Gauges:
+        """The scheduler's and the pool's state now (call on the thread that steps)."""
+        allocator = self.scheduler.allocator
+        queries = getattr(allocator, "prefix_queries", 0)  # only the paged pool has a cache
+        hit_rate = getattr(allocator, "prefix_hits", 0) / queries if queries else 0.0
+        return Gauges(
+            alive=True, num_in_flight=len(self._requests),
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            kv_blocks_used=allocator.num_used_blocks, kv_blocks_total=allocator.num_blocks,
+            kv_block_size=allocator.block_size, max_concurrency=self.max_concurrency,
+            prefix_cache_hit_rate=hit_rate)
+
     def _events(self, batch: ScheduledBatch,
                 samples: list[SampledToken | None]) -> list[TokenEvent]:
         events = []
@@ -180,7 +200,7 @@ class LLMEngine:
                 continue
             check_stop = bool(seq.params.stop) and not seq.is_finished and (
                 seq.num_output_tokens >= seq.params.min_new_tokens)
-            delta, stopped = req.text.add(sample.token_id, check_stop)
+            delta, stopped = req.text.add(sample.token_id, check_stop=check_stop)
             if stopped:
                 self.scheduler.finish(seq, FinishReason.STOP)
             elif seq.is_finished:
@@ -201,27 +221,6 @@ class LLMEngine:
                           seq.num_output_tokens, reason, error, top_logprobs)
 
 
-def _pack_linears(model: torch.nn.Module, config: EngineConfig, device: torch.device,
-                  dtype: torch.dtype) -> None:
-    """Packed CPU matmuls: `auto` tries the tiled kernel, then oneDNN, then keeps aten; a
-    backend asked for by name that fails or disagrees at start-up stops it."""
-    from engine.models.linear import linear_candidates
-
-    candidates = linear_candidates(config.linear_backend, device, dtype)
-    for backend in candidates:
-        try:
-            count = model.pack_linears(backend, min(config.max_num_seqs, 64))
-        except Exception as err:  # noqa: BLE001 - a kernel that fails or disagrees: next one
-            if config.linear_backend == backend:
-                raise ValueError(f"invalid linear_backend={backend!r}: {err}") from err
-            logger.warning("linear_backend auto: %s failed (%s); trying the next", backend, err)
-            continue
-        logger.info("linear backend: %s, %d packed weights", backend, count)
-        return
-    if candidates:
-        logger.warning("linear_backend auto: no packed backend agreed; using aten matmuls")
-
-
 def _max_model_len(config: EngineConfig, model_max: int) -> int:
     if config.max_model_len is None:
         return model_max
@@ -229,17 +228,3 @@ def _max_model_len(config: EngineConfig, model_max: int) -> int:
         raise ValueError(f"invalid max_model_len={config.max_model_len}: must be <= the model's "
                          f"max_position_embeddings ({model_max})")
     return config.max_model_len
-
-
-def _eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
-    """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
-    import json
-
-    ids: set[int] = set()
-    path = model_dir / "generation_config.json"
-    if path.exists():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+from engine.inputs import AbortRequest, AddRequest, GenerationRequest
 from engine.llm_engine import LLMEngine
-from engine.outputs import StepStats, TokenEvent
-from engine.sampling_params import SamplingParams
+from engine.outputs import Gauges, StepStats, TokenEvent
 from engine.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.5  # how often a waiting reader re-checks that the loop is alive
 _MAX_CONSECUTIVE_FAILURES = 3  # then the loop stops and /ping turns 503
+
+InboxMessage = AddRequest | AbortRequest
 
 
 class QueueFullError(RuntimeError):
@@ -62,7 +65,10 @@ class RequestHandle:
 
 
 class EngineLoop:
-    """Drives engine.step() in a thread; thread-safe submit/abort; deadlines; bounded shutdown."""
+    """Drives engine.step() in a thread; thread-safe submit/abort; deadlines; bounded shutdown.
+
+    Requests arrive validated (EngineClient.submit is the boundary); the inbox carries
+    AddRequest / AbortRequest messages that only the loop thread applies to the engine."""
 
     def __init__(self, engine: LLMEngine, max_queued: int,
                  on_step: Callable[[StepStats], None] | None = None) -> None:
@@ -71,13 +77,14 @@ class EngineLoop:
         self.capacity = engine.config.max_num_seqs + max_queued
         self._on_step = on_step
         self._cond = threading.Condition()
-        self._inbox: list[tuple[str, object]] = []
+        self._inbox: list[InboxMessage] = []
         self._handles: dict[str, RequestHandle] = {}
         self._deadlines: dict[str, float] = {}
         self._ids = itertools.count()
         self._accepting = True
         self._stopping = False
         self._failures = 0
+        self._gauges = engine.gauges()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -91,28 +98,26 @@ class EngineLoop:
         with self._cond:
             return len(self._handles)
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               deadline: float | None = None) -> RequestHandle:
-        """Queue a request; raises RequestError, QueueFullError or EngineDeadError."""
-        self.engine.validate(prompt_token_ids, params)
+    def gauges(self) -> Gauges:
+        """The latest snapshot the loop thread took, with liveness and in-flight count now."""
+        return dataclasses.replace(self._gauges, alive=self.is_alive(),
+                                   num_in_flight=self.num_in_flight)
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
+        """Queue validated requests, all or none; raises QueueFullError or EngineDeadError."""
         with self._cond:
             if not self._accepting or not self.is_alive():
                 raise EngineDeadError("the engine is not accepting requests")
-            if len(self._handles) >= self.capacity:
+            if len(self._handles) + len(requests) > self.capacity:
                 raise QueueFullError(f"{len(self._handles)} requests in flight; capacity is "
                                      f"{self.capacity} (max running + job_queue_size)")
-            request_id = f"req-{next(self._ids)}"
-            handle = RequestHandle(self, request_id, len(prompt_token_ids))
-            self._handles[request_id] = handle
-            if deadline is not None:
-                self._deadlines[request_id] = deadline
-            self._inbox.append(("add", (request_id, list(prompt_token_ids), params)))
+            handles = [self._queue(request) for request in requests]
             self._cond.notify()
-        return handle
+        return handles
 
     def abort(self, request_id: str) -> None:
         with self._cond:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(AbortRequest(request_id))
             self._cond.notify()
 
     def shutdown(self, grace_seconds: float) -> None:
@@ -128,6 +133,15 @@ class EngineLoop:
         self._thread.join(timeout=5)
         if self._thread.is_alive():
             logger.warning("engine loop did not stop within 5 s")
+
+    def _queue(self, request: GenerationRequest) -> RequestHandle:
+        request_id = f"req-{next(self._ids)}"
+        handle = RequestHandle(self, request_id, len(request.prompt_token_ids))
+        self._handles[request_id] = handle
+        if request.deadline is not None:
+            self._deadlines[request_id] = request.deadline
+        self._inbox.append(AddRequest(request_id, request))
+        return handle
 
     # --- the loop thread ---
 
@@ -171,25 +185,29 @@ class EngineLoop:
     def _drain_inbox(self) -> None:
         with self._cond:
             inbox, self._inbox = self._inbox, []
-        for kind, payload in inbox:
-            if kind == "add":
-                request_id, prompt, params = payload  # type: ignore[misc]
-                self.engine.add_request(request_id, prompt, params)
+        for message in inbox:
+            if isinstance(message, AddRequest):
+                self.engine.add_validated(message.request_id, message.request)
             else:
-                event = self.engine.abort(payload)  # type: ignore[arg-type]
-                if event is not None:
-                    self._dispatch([event])
+                self._end(message)
+        if inbox:
+            self._gauges = self.engine.gauges()
 
     def _expire(self, now: float) -> None:
         with self._cond:
             expired = [rid for rid, t in self._deadlines.items() if t <= now]
         for rid in expired:
-            event = self.engine.abort(rid, FinishReason.TIMEOUT, "predict_timeout exceeded")
-            self._dispatch([event] if event else [])
+            self._end(AbortRequest(rid, FinishReason.TIMEOUT, "predict_timeout exceeded"))
             with self._cond:
                 self._deadlines.pop(rid, None)
 
+    def _end(self, message: AbortRequest) -> None:
+        event = self.engine.abort(message.request_id, message.reason, message.error)
+        self._dispatch([event] if event else [])
+
     def _dispatch(self, events: list[TokenEvent]) -> None:
+        if events:  # publish first: a caller that sees its final event sees its KV freed
+            self._gauges = self.engine.gauges()
         with self._cond:
             for event in events:
                 handle = self._handles.get(event.request_id)
@@ -202,7 +220,7 @@ class EngineLoop:
 
     def _abort_all(self, error: str) -> None:
         with self._cond:
-            self._inbox = [item for item in self._inbox if item[0] != "add"]
+            self._inbox = [m for m in self._inbox if not isinstance(m, AddRequest)]
             handles = list(self._handles.values())
         for handle in handles:
             event = self.engine.abort(handle.request_id, FinishReason.ERROR, error)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.attention import (
+from engine.attention.reference import (
     AttentionBackend,
     AttentionMetadata,
     PrefillRow,
@@ -14,7 +14,7 @@ from engine.attention import (
     causal_mask,
     page_size_for,
 )
-from engine.models.loader import ModelSpec
+from engine.models.spec import ModelSpec
 from engine.outputs import SampledToken
 from engine.sampler import GreedyKernel, sample
 from engine.scheduler.base import ScheduledBatch

@@ -51,3 +51,19 @@ class StepStats:
     kv_blocks_total: int
     num_preemptions: int
     step_seconds: float
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """The engine's state in one snapshot, for /ping and /metrics; taken on the loop thread
+    before each batch of events is handed out, so a finished request is already counted."""
+
+    alive: bool  # the loop runs and accepts work
+    num_in_flight: int  # submitted and not yet finished (queued in the inbox included)
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_block_size: int  # tokens per block; max_model_len for the contiguous strategies
+    max_concurrency: int  # sequences of max_model_len tokens the pool holds at once
+    prefix_cache_hit_rate: float  # prompt blocks found / looked up; 0 without prefix caching

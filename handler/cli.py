@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from handler.properties import ConfigError, collect_settings, model_id_setting
+from handler.config.properties import ConfigError, collect_settings, model_id_setting
 
 logger = logging.getLogger("batchyard")
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return deploy_main(argv[1:])
     if argv and argv[0] == "build-default-model":
-        from handler.default_model import main as build_main
+        from handler.model_source.default_model import main as build_main
 
         return build_main(argv[1:])
     parser = argparse.ArgumentParser(prog="batchyard", description=__doc__)
@@ -55,8 +55,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"batchyard: configuration error: {err}", file=sys.stderr)
         return 2
     logger.info("configuration: %s", config.describe())
-    from handler.server import exit_on_load_failure, run_server
-    from handler.state import ServerState
+    from handler.http.server import exit_on_load_failure, run_server
+    from handler.http.state import ServerState
 
     port = args.port or int(os.environ.get("SAGEMAKER_BIND_TO_PORT") or DEFAULT_PORT)
     # Test-only hook: stretches the loading phase so that /ping 503 can be observed.
@@ -76,10 +76,10 @@ def resolve_config(args: argparse.Namespace, environ):
     Needs no network: a model that is built (the default model) or downloaded (s3://) on first
     use is prepared by the returned callable in the loader thread, while /ping answers 503.
     """
-    from handler.default_model import default_model_dir, ensure_default_model
-    from handler.model_store import SAGEMAKER_MODEL_DIR, resolve_model_dir
-    from handler.s3_model import is_complete, is_s3_uri
-    from handler.serving_config import build_serving_config
+    from handler.config.serving_config import build_serving_config
+    from handler.model_source.default_model import default_model_dir, ensure_default_model
+    from handler.model_source.s3 import is_complete, is_s3_uri
+    from handler.model_source.store import SAGEMAKER_MODEL_DIR, resolve_model_dir
 
     properties = args.properties or _env_path(environ, "BATCHYARD_PROPERTIES")
     if properties is None:
@@ -105,8 +105,9 @@ def _s3_config(settings, model_id: str, model_dir: Path, cache_dir: Path | None,
     delay binding the port by a network round trip, or fail it). Only option.rolling_batch=auto
     depends on the architecture; it is resolved as for a native one, since the engine loads
     nothing else, and the downloaded config.json is checked before the engine is built."""
-    from handler.s3_model import download_model
-    from handler.serving_config import NATIVE_ARCHITECTURES, build_serving_config
+    from engine import NATIVE_ARCHITECTURES
+    from handler.config.serving_config import build_serving_config
+    from handler.model_source.s3 import download_model
 
     config = build_serving_config(settings, model_dir, sorted(NATIVE_ARCHITECTURES))
     rolling = settings.get("option.rolling_batch")

@@ -10,17 +10,17 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from engine.attention import (
+from engine.attention.flex import FlexAttention
+from engine.attention.reference import (
     AttentionBackend,
     AttentionMetadata,
     ReferenceAttention,
     reference_attention,
     split_by_width,
 )
-from engine.attention_flex import FlexAttention
-from engine.backends import select_attention_backend
+from engine.attention.select import select_attention_backend
 from engine.model_runner import ModelRunner
-from engine.models.loader import ModelSpec
+from engine.models.spec import ModelSpec
 from engine.sampling_params import SamplingParams
 from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
@@ -155,7 +155,7 @@ class _OffByOne(AttentionBackend):
 
 def test_a_backend_that_disagrees_is_caught_at_start_up(tmp_path) -> None:
     """auto falls back to the reference; a backend asked for by name stops start-up."""
-    from engine.attention_check import check_or_fall_back
+    from engine.attention.check import check_or_fall_back
 
     engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4)
     runner = engine.runner
@@ -196,7 +196,7 @@ def test_grouped_decode_rows_give_the_ungrouped_result(window) -> None:
 
 
 def test_warm_up_buckets_cover_the_step_sizes_up_to_the_limits() -> None:
-    from engine.attention_check import WARM_UP_MAX_ROWS, warm_up_buckets
+    from engine.attention.check import WARM_UP_MAX_ROWS, warm_up_buckets
 
     assert warm_up_buckets(512, 10**6) == [16, 32, 64, 128, 256, 512]
     assert warm_up_buckets(100, 10**6) == [16, 32, 64, 128]  # 100 tokens pad to 128
@@ -205,7 +205,7 @@ def test_warm_up_buckets_cover_the_step_sizes_up_to_the_limits() -> None:
 
 
 def test_warm_up_runs_each_bucket_and_leaves_the_pool_untouched(tmp_path) -> None:
-    from engine.attention_check import warm_up_attention
+    from engine.attention.check import warm_up_attention
 
     engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4)
     calls = []

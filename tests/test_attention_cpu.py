@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.backends as backends
+import engine.attention.select as backends
 import engine.kernels as kernels
-from engine.attention import ReferenceAttention, reference_attention
-from engine.attention_check import check_or_fall_back
-from engine.attention_cpu import CpuPagedAttention, DecodeRows
+from engine.attention.check import check_or_fall_back
+from engine.attention.cpu import CpuPagedAttention, DecodeRows
+from engine.attention.reference import ReferenceAttention, reference_attention
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 from tests.test_attention_backends import CASES, HEAD_DIM, HEADS, prepare, random_pool

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import engine.kernels as kernels
-from engine.attention import store_kv
+from engine.attention.reference import store_kv
 from engine.models.cpu_fused import FusedCpuOps, fused_ops_for
-from engine.models.llama import RMSNorm, apply_rope
+from engine.models.layers import RMSNorm, apply_rope
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence

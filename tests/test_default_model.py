@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from handler.default_model import MODEL_NAME, ensure_default_model
+from handler.model_source.default_model import MODEL_NAME, ensure_default_model
 from tests.server_harness import first_answer, running_server, wait_for_ping
 
 pytestmark = pytest.mark.slow

@@ -7,11 +7,18 @@ import time
 
 import pytest
 
-from engine import EngineLoop, QueueFullError, SamplingParams
-from engine.loop import EngineDeadError
-from handler.app import create_app
-from handler.serving_config import ServingConfig
-from handler.state import ServerState
+from engine import (
+    EngineClient,
+    EngineDeadError,
+    GenerationRequest,
+    LLMEngine,
+    QueueFullError,
+    RequestError,
+    SamplingParams,
+)
+from handler.config.serving_config import ServingConfig
+from handler.http.app import create_app
+from handler.http.state import ServerState
 from tests.engine_harness import greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 
@@ -24,19 +31,28 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def loop(model_dir):
-    engine_loop = EngineLoop(make_engine(model_dir, "continuous"), max_queued=2)
-    engine_loop.start()
-    yield engine_loop
-    engine_loop.shutdown(grace_seconds=0)
+def engine(model_dir) -> LLMEngine:
+    return make_engine(model_dir, "continuous")
+
+
+@pytest.fixture
+def served(engine) -> EngineClient:
+    client = EngineClient(engine, max_queued=2)
+    client.start()
+    yield client
+    client.shutdown(grace_seconds=0)
+
+
+def request(params: SamplingParams, deadline: float | None = None) -> GenerationRequest:
+    return GenerationRequest(tuple(PROMPT), params, deadline)
 
 
 def collect(handle) -> list:
     return list(handle.events())
 
 
-def kv_used(engine_loop: EngineLoop) -> int:
-    return engine_loop.engine.scheduler.allocator.num_used_blocks
+def kv_used(client: EngineClient) -> int:
+    return client.gauges().kv_blocks_used
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:
@@ -46,42 +62,43 @@ def wait_until(condition, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_submitted_requests_stream_every_token_and_end(loop) -> None:
-    handles = [loop.submit(PROMPT, greedy(n)) for n in (3, 9, 1)]
+def test_submitted_requests_stream_every_token_and_end(served) -> None:
+    handles = [served.submit(request(greedy(n))) for n in (3, 9, 1)]
     runs = [collect(h) for h in handles]
     assert [sum(e.token_id is not None for e in run) for run in runs] == [3, 9, 1]
     assert all(run[-1].finish_reason == "length" and not run[-1].error for run in runs)
-    wait_until(lambda: kv_used(loop) == 0 and loop.num_in_flight == 0)
+    wait_until(lambda: kv_used(served) == 0 and served.gauges().num_in_flight == 0)
 
 
-def test_abort_ends_a_running_request_and_frees_its_kv(loop) -> None:
-    handle = loop.submit(PROMPT, greedy(80))
+def test_abort_ends_a_running_request_and_frees_its_kv(served) -> None:
+    handle = served.submit(request(greedy(80)))
     events = handle.events()
     next(events)
     handle.abort()
     rest = list(events)
     assert rest[-1].finish_reason == "abort"
-    wait_until(lambda: kv_used(loop) == 0)
+    wait_until(lambda: kv_used(served) == 0)
 
 
-def test_deadline_passed_ends_with_timeout_and_frees_kv(loop) -> None:
-    handle = loop.submit(PROMPT, greedy(90), deadline=time.monotonic() - 1)
+def test_deadline_passed_ends_with_timeout_and_frees_kv(served) -> None:
+    handle = served.submit(request(greedy(90), deadline=time.monotonic() - 1))
     assert collect(handle)[-1].finish_reason == "timeout"
-    wait_until(lambda: kv_used(loop) == 0)
+    wait_until(lambda: kv_used(served) == 0)
 
 
-def test_capacity_is_running_plus_job_queue(loop) -> None:
+def test_capacity_is_running_plus_job_queue(served) -> None:
     """max_num_seqs (4) + job_queue_size (2) in flight; the 7th is refused at once."""
-    handles = [loop.submit(PROMPT, greedy(90)) for _ in range(6)]
+    handles = [served.submit(request(greedy(90))) for _ in range(6)]
     with pytest.raises(QueueFullError, match="capacity is 6"):
-        loop.submit(PROMPT, greedy(90))
+        served.submit(request(greedy(90)))
     for handle in handles:
         handle.abort()
     assert all(collect(h)[-1].finished for h in handles)
 
 
-def test_a_failing_step_fails_its_batch_then_the_loop_serves_again(loop, monkeypatch) -> None:
-    runner = loop.engine.runner
+def test_a_failing_step_fails_its_batch_then_the_loop_serves_again(engine, served,
+                                                                   monkeypatch) -> None:
+    runner = engine.runner
     real_run = runner.run
     calls = {"n": 0}
 
@@ -92,19 +109,18 @@ def test_a_failing_step_fails_its_batch_then_the_loop_serves_again(loop, monkeyp
         return real_run(batch)
 
     monkeypatch.setattr(runner, "run", fail_once)
-    failed = collect(loop.submit(PROMPT, greedy(5)))
+    failed = collect(served.submit(request(greedy(5))))
     assert failed[-1].finish_reason == "error" and "engine failure" in failed[-1].error
-    ok = collect(loop.submit(PROMPT, greedy(5)))
+    ok = collect(served.submit(request(greedy(5))))
     assert ok[-1].finish_reason == "length"
-    wait_until(lambda: kv_used(loop) == 0)
+    wait_until(lambda: kv_used(served) == 0)
 
 
 def test_repeated_failures_stop_the_loop_and_ping_turns_503(model_dir, monkeypatch) -> None:
     engine = make_engine(model_dir, "continuous")
     config = ServingConfig(engine=engine.config)
     state = ServerState(config)
-    state.engine, state.loop, state.status = engine, EngineLoop(engine, 4), "ready"
-    state.loop.start()
+    state.serve(EngineClient(engine, 4))
     client = create_app(state).test_client()
     assert client.get("/ping").status_code == 200
 
@@ -112,31 +128,56 @@ def test_repeated_failures_stop_the_loop_and_ping_turns_503(model_dir, monkeypat
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine.runner, "run", broken)
-    handles = [state.loop.submit(PROMPT, greedy(5)) for _ in range(4)]
+    handles = [state.engine.submit(request(greedy(5))) for _ in range(4)]
     for handle in handles:  # every accepted request ends, none hangs
         assert collect(handle)[-1].finish_reason == "error"
     for _ in range(3):  # three failing steps in a row: the device is gone, the loop stops
         try:
-            handle = state.loop.submit(PROMPT, greedy(5))
+            handle = state.engine.submit(request(greedy(5)))
         except EngineDeadError:
             break
         assert collect(handle)[-1].finish_reason == "error"
-    wait_until(lambda: not state.loop.is_alive())
+    wait_until(lambda: not state.engine.gauges().alive)
     ping = client.get("/ping")
     assert ping.status_code == 503 and ping.get_json()["code"] == 503
     with pytest.raises(EngineDeadError):
-        state.loop.submit(PROMPT, greedy(5))
+        state.engine.submit(request(greedy(5)))
     invoke = client.post("/invocations", json={"inputs": "hello"})
     assert invoke.status_code == 503
 
 
 def test_shutdown_lets_running_requests_finish_within_grace(model_dir) -> None:
-    engine_loop = EngineLoop(make_engine(model_dir, "continuous"), max_queued=4)
-    engine_loop.start()
-    handle = engine_loop.submit(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True,
-                                                       min_new_tokens=40))
-    engine_loop.shutdown(grace_seconds=30)
+    client = EngineClient(make_engine(model_dir, "continuous"), max_queued=4)
+    client.start()
+    handle = client.submit(request(SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                                  min_new_tokens=40)))
+    client.shutdown(grace_seconds=30)
     events = collect(handle)
     assert events[-1].finish_reason == "length" and events[-1].num_output_tokens == 40
     with pytest.raises(EngineDeadError):
-        engine_loop.submit(PROMPT, greedy(1))
+        client.submit(request(greedy(1)))
+
+
+def test_submit_all_validates_every_request_and_queues_none_when_one_is_bad(served) -> None:
+    empty = GenerationRequest((), greedy(3))
+    with pytest.raises(RequestError, match="inputs must not be empty"):
+        served.submit_all([request(greedy(3)), empty])
+    assert served.gauges().num_in_flight == 0
+
+
+def test_submit_all_queues_all_or_none_at_capacity(served) -> None:
+    handles = served.submit_all([request(greedy(90)) for _ in range(5)])
+    with pytest.raises(QueueFullError, match="capacity is 6"):
+        served.submit_all([request(greedy(90)), request(greedy(90))])
+    assert served.gauges().num_in_flight == 5
+    for handle in handles:
+        handle.abort()
+    assert all(collect(h)[-1].finished for h in handles)
+
+
+def test_gauges_show_a_request_gone_as_soon_as_its_last_event_arrives(served) -> None:
+    """The loop publishes its snapshot before handing out events: no wait needed."""
+    assert collect(served.submit(request(greedy(4))))[-1].finished
+    gauges = served.gauges()
+    assert (gauges.kv_blocks_used, gauges.num_running, gauges.num_in_flight) == (0, 0, 0)
+    assert gauges.alive and gauges.kv_blocks_total > 0

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.allocator import ContiguousAllocator
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.kv_budget import build_allocator, plan_kv
+from engine.kv.allocator import ContiguousAllocator
+from engine.kv.block_manager import BlockManager
+from engine.kv.budget import build_allocator, plan_kv
 from engine.scheduler import SCHEDULERS
 from tests.test_scheduler import FakeClock, make_seq, step
 

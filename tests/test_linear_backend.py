@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from engine.kernels import build_kernels
-from engine.llm_engine import _pack_linears
 from engine.models import linear
 from engine.models.linear import (
     PackedLinear,
@@ -18,6 +17,7 @@ from engine.models.linear import (
     linear_candidates,
     linear_factory,
     pack_linears,
+    pack_model_linears,
     packed_checked,
 )
 from tests.engine_harness import Req, drive, make_engine
@@ -140,9 +140,10 @@ def test_a_tiled_kernel_that_fails_falls_back_to_onednn(tmp_path, monkeypatch, c
     model = engine.runner.model
     monkeypatch.setattr(linear.TiledLinear, "__init__", broken("no C compiler"))
     with pytest.raises(ValueError, match="invalid linear_backend='tiled': no C compiler"):
-        _pack_linears(model, replace(engine.config, linear_backend="tiled"), CPU, torch.float32)
+        pack_model_linears(model, replace(engine.config, linear_backend="tiled"), CPU,
+                           torch.float32)
     assert model.lm_head is None  # nothing half-packed
-    _pack_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
+    pack_model_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
     assert "tiled failed (no C compiler); trying the next" in caplog.text
     assert type(model.lm_head) is PackedLinear
 
@@ -154,12 +155,12 @@ def test_kernels_that_fail_leave_aten_matmuls(tmp_path, monkeypatch, caplog) -> 
     model = engine.runner.model
     monkeypatch.setattr(linear.TiledLinear, "__init__", broken("no C compiler"))
     monkeypatch.setattr(linear.PackedLinear, "__init__", broken("mkldnn: unsupported"))
-    _pack_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
+    pack_model_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
     assert "no packed backend agreed; using aten matmuls" in caplog.text
     assert model.lm_head is None and all(type(m) is nn.Linear for m in model.modules()
                                          if isinstance(m, nn.Linear | PackedLinear | TiledLinear))
     with pytest.raises(ValueError, match="invalid linear_backend='onednn': mkldnn: unsupported"):
-        _pack_linears(model, replace(engine.config, linear_backend="onednn"), CPU,
+        pack_model_linears(model, replace(engine.config, linear_backend="onednn"), CPU,
                       torch.float32)
 
 
@@ -174,9 +175,9 @@ def test_a_disagreeing_kernel_is_caught_at_start_up(tmp_path, monkeypatch, caplo
         assert all(type(m) is nn.Linear for m in model.modules()
                    if isinstance(m, nn.Linear | PackedLinear | TiledLinear))
         with pytest.raises(ValueError, match=f"invalid linear_backend='{backend}'"):
-            _pack_linears(model, replace(engine.config, linear_backend=backend), CPU,
+            pack_model_linears(model, replace(engine.config, linear_backend=backend), CPU,
                           torch.float32)
-    _pack_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
+    pack_model_linears(model, replace(engine.config, linear_backend="auto"), CPU, torch.float32)
     assert "using aten matmuls" in caplog.text
     assert all(type(m) is nn.Linear for m in model.modules()
                if isinstance(m, nn.Linear | PackedLinear | TiledLinear))

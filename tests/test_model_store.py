@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from handler.model_store import check_model_dir, resolve_model_dir
+from handler.model_source.checks import check_model_dir
+from handler.model_source.store import resolve_model_dir
 
 
 def fake_model(path: Path, weights: str = "model.safetensors") -> Path:

@@ -45,7 +45,7 @@ def test_chunk_budgets_and_prefix_cache_keep_greedy_output(tiny, budget, prefix)
     drive(engine, reqs)
     assert [r.tokens for r in reqs] == refs
     if prefix:
-        assert engine.scheduler.block_manager.prefix_hits > 0
+        assert engine.scheduler.allocator.prefix_hits > 0
 
 
 @pytest.mark.parametrize("block_size", [32, 12])

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv.block_manager import BlockManager
 from engine.outputs import SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SCHEDULERS
@@ -20,7 +20,8 @@ def make_paged(num_blocks: int, block_size: int = 4, budget: int = 16, max_num_s
     config = EngineConfig(model="unused", batching="paged", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=budget, block_size=block_size,
                           enable_chunked_prefill=chunked, enable_prefix_caching=prefix)
-    sched = SCHEDULERS["paged"](config, BlockManager(num_blocks, block_size, prefix))
+    pool = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    sched = SCHEDULERS["paged"](config, pool)
     assert isinstance(sched, PagedBatching)
     return sched
 
@@ -174,7 +175,7 @@ def test_random_workload_with_aborts_and_preemption_drains_clean(prefix: bool) -
             break
     assert not sched.has_unfinished()
     assert all(s.status is SequenceStatus.FINISHED and not s.block_table for s in seqs)
-    bm = sched.block_manager
+    bm = sched.allocator
     assert bm.num_free_blocks == bm.num_blocks and all(r == 0 for r in bm._ref)
     if prefix:
         assert bm.prefix_hits > 0

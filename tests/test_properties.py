@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from handler.properties import ConfigError, collect_settings, parse_properties
-from handler.serving_config import build_serving_config
+from handler.config.properties import ConfigError, collect_settings, parse_properties
+from handler.config.serving_config import build_serving_config
 
 LLAMA = ["LlamaForCausalLM"]
 PROPERTIES_D = Path(__file__).resolve().parent.parent / "serving.properties.d"

@@ -18,8 +18,7 @@ from botocore.exceptions import ClientError
 from moto.server import ThreadedMotoServer
 
 from handler.cli import resolve_config
-from handler.model_store import resolve_model_dir
-from handler.s3_model import (
+from handler.model_source.s3 import (
     COMPLETE_MARKER,
     S3ModelError,
     describe_error,
@@ -27,6 +26,7 @@ from handler.s3_model import (
     parse_s3_uri,
     s3_cache_dir,
 )
+from handler.model_source.store import resolve_model_dir
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import first_answer, running_server, wait_for_ping
 
@@ -110,7 +110,7 @@ def test_download_skips_what_is_not_served_and_reuses_the_cache(s3, tiny_model, 
         "README.md": b"# card", "pytorch_model.bin": b"pickle", "serving.properties": b"x=1",
         "original/consolidated.00.pth": b"pickle", "chat_template.jinja": b"{{ x }}",
         "sub/": b""})
-    caplog.set_level("INFO", logger="handler.s3_model")
+    caplog.set_level("INFO", logger="handler.model_source.s3")
     path = download_model(uri, tmp_path, env_for(s3))
     assert path == s3_cache_dir(uri, tmp_path) == s3_cache_dir(uri + "/", tmp_path)
     assert path.parent.parent == tmp_path / "s3" and path.name == "llama"

@@ -9,7 +9,7 @@ import pytest
 import requests
 from botocore.eventstream import EventStreamBuffer
 
-from handler.sagemaker_runtime import encode_event, payload_part
+from handler.http.sagemaker_runtime import encode_event, payload_part
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import running_server
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from engine.allocator import ContiguousAllocator
 from engine.config import EngineConfig
+from engine.kv.allocator import ContiguousAllocator
 from engine.outputs import SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SCHEDULERS, Scheduler
@@ -229,6 +229,7 @@ def test_scheduler_side_never_imports_torch() -> None:
     """Sequences, allocators and schedulers stay pure Python."""
     import subprocess
 
-    code = ("import sys, engine.scheduler, engine.allocator, engine.sequence, engine.detokenizer;"
+    code = ("import sys, engine.scheduler, engine.kv.allocator, engine.sequence, "
+            "engine.detokenizer;"
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

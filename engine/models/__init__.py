@@ -1,11 +1,3 @@
-"""Native model implementations, keyed by the HF `architectures` name in config.json."""
-
-from __future__ import annotations
-
-from engine.models.llama import LlamaForCausalLM
-
-MODELS: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+"""Native model implementations: registry.py (architectures served natively), llama.py (the
+Llama family), layers.py (RMSNorm, RoPE), linear.py (packed CPU matmuls), cpu_fused.py (fused
+CPU ops), loader.py (config.json + safetensors → model), spec.py (ModelSpec)."""

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from engine.kernels import load_kernels
+from engine.models.layers import apply_rope
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ def fused_ops_for(model: torch.nn.Module, dtype: torch.dtype,
 def _check(ops: FusedCpuOps, model: torch.nn.Module) -> None:
     """RoPE bit for bit; RMSNorm and the greedy logprob to rounding; the argmax exactly; on
     the first layer's shapes."""
-    from engine.models.llama import apply_rope
-
     layer, spec = model.layers[0], model.spec
     generator = torch.Generator().manual_seed(0)
     n, d = 3, spec.head_dim

@@ -10,15 +10,18 @@ nn.Linear without compiling the model; results differ from MKL's only by float r
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import LINEAR_BACKENDS, EngineConfig
 from engine.kernels import load_kernels
 
-LINEAR_BACKENDS = ("auto", "tiled", "onednn", "aten")
+logger = logging.getLogger(__name__)
+
 # oneDNN's packed weights are blocked for a batch of this many rows; any batch runs.
 DECODE_BATCH_HINT = 32
 # Largest |packed - aten| allowed, relative to the largest |aten| output, at start-up.
@@ -149,3 +152,22 @@ def _relative_error(weight: torch.Tensor, bias: torch.Tensor | None, packed: nn.
         error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
         worst = max(worst, error)
     return worst
+
+
+def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.device,
+                       dtype: torch.dtype) -> None:
+    """Packed CPU matmuls: `auto` tries the tiled kernel, then oneDNN, then keeps aten; a
+    backend asked for by name that fails or disagrees at start-up stops it."""
+    candidates = linear_candidates(config.linear_backend, device, dtype)
+    for backend in candidates:
+        try:
+            count = model.pack_linears(backend, min(config.max_num_seqs, 64))
+        except Exception as err:  # noqa: BLE001 - a kernel that fails or disagrees: next one
+            if config.linear_backend == backend:
+                raise ValueError(f"invalid linear_backend={backend!r}: {err}") from err
+            logger.warning("linear_backend auto: %s failed (%s); trying the next", backend, err)
+            continue
+        logger.info("linear backend: %s, %d packed weights", backend, count)
+        return
+    if candidates:
+        logger.warning("linear_backend auto: no packed backend agreed; using aten matmuls")

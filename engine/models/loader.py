@@ -4,35 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
+
 logger = logging.getLogger(__name__)
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Facts about the loaded model that the engine sizes itself by."""
-
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    sliding_window: int | None
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of one token over all layers."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+_FAMILIES = {"llama": LlamaForCausalLM}  # NATIVE_ARCHITECTURES value -> implementation
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,14 +56,12 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
     """Build the native model for the folder's architecture; returns (model, ModelSpec)."""
-    from engine.models import MODELS
-
     config = read_config(model_dir)
     arch = (config.get("architectures") or ["?"])[0]
-    if arch not in MODELS:
+    if arch not in NATIVE_ARCHITECTURES:
         raise ValueError(f"architecture {arch} is not supported natively; supported: "
-                         f"{', '.join(sorted(MODELS))}")
-    model_cls = MODELS[arch]
+                         f"{', '.join(sorted(NATIVE_ARCHITECTURES))}")
+    model_cls = _FAMILIES[NATIVE_ARCHITECTURES[arch]]
     spec = model_cls.spec_from_config(arch, config)
     model = model_cls(config, spec)
     model.load_hf_weights(load_state_dict(model_dir))
@@ -89,3 +69,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
     logger.info("loaded %s (%.1f M parameters) from %s as %s on %s", arch,
                 sum(p.numel() for p in model.parameters()) / 1e6, model_dir, dtype, device)
     return model, spec
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
+    ids: set[int] = set()
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

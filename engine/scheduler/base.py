@@ -8,8 +8,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.allocator import KVAllocator
 from engine.config import EngineConfig
+from engine.kv.allocator import KVAllocator
 from engine.outputs import SampledToken
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 

@@ -6,8 +6,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv.block_manager import BlockManager
 from engine.outputs import SampledToken
 from engine.scheduler.base import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -26,10 +26,11 @@ class PagedBatching(Scheduler):
     re-queued ahead of new arrivals, keeping its tokens to recompute.
     """
 
+    allocator: BlockManager  # the paged pool: blocks on demand, prefix cache
+
     def __init__(self, config: EngineConfig, allocator: BlockManager,
                  now: Callable[[], float] = time.monotonic) -> None:
         super().__init__(config, allocator, now)
-        self.block_manager = allocator
         self.token_budget = config.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET
         self.chunked = config.enable_chunked_prefill
 
@@ -44,7 +45,7 @@ class PagedBatching(Scheduler):
         for seq in [s for s in self.running if not _is_decode(s)]:
             n = self._prefill_chunk(seq, budget, picked)
             if n:
-                self.block_manager.allocate(seq, n)
+                self.allocator.allocate(seq, n)
                 picked[seq] = n
                 budget -= n
         if self.num_preemptions == preemptions_before:  # admitting now would only thrash
@@ -58,11 +59,11 @@ class PagedBatching(Scheduler):
         finished = super().postprocess(batch, samples)
         for seq in batch.seqs:
             if not seq.is_finished:
-                self.block_manager.cache_full_blocks(seq)
+                self.allocator.cache_full_blocks(seq)
         return finished
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.block_manager.cache_full_blocks(seq)  # its computed blocks outlive it in the cache
+        self.allocator.cache_full_blocks(seq)  # its computed blocks outlive it in the cache
         super().finish(seq, reason)
 
     # --- policy pieces ---
@@ -71,7 +72,7 @@ class PagedBatching(Scheduler):
         """Give a running decode its next slot, preempting younger sequences if blocks run out."""
         if not self._make_room(seq, 1, picked):
             return False
-        self.block_manager.allocate(seq, 1)
+        self.allocator.allocate(seq, 1)
         return True
 
     def _prefill_chunk(self, seq: Sequence, budget: int, picked: dict[Sequence, int]) -> int:
@@ -103,21 +104,21 @@ class PagedBatching(Scheduler):
     def _free_slots(self, seq: Sequence) -> int:
         """Token slots `seq` can still write: the rest of its own blocks plus every free block."""
         own = len(seq.block_table) * self.block_size - seq.num_computed_tokens
-        return own + self.block_manager.num_free_blocks * self.block_size
+        return own + self.allocator.num_free_blocks * self.block_size
 
     def _admit_waiting(self, budget: int, picked: dict[Sequence, int]) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            self.block_manager.match_prefix(seq)
+            self.allocator.match_prefix(seq)
             n = self._wanted_chunk(seq, budget, picked)
             n = n if self.chunked or n <= self._free_slots(seq) else 0
             n = min(n, self._free_slots(seq))
             if n == 0:
-                self.block_manager.free(seq)  # give back the prefix blocks it just shared
+                self.allocator.free(seq)  # give back the prefix blocks it just shared
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, n)
+            self.allocator.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             picked[seq] = n
@@ -125,8 +126,8 @@ class PagedBatching(Scheduler):
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.cache_full_blocks(seq)
-        self.block_manager.free(seq)
+        self.allocator.cache_full_blocks(seq)
+        self.allocator.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -137,7 +138,7 @@ class PagedBatching(Scheduler):
 
     @property
     def block_size(self) -> int:
-        return self.block_manager.block_size
+        return self.allocator.block_size
 
 
 def _is_decode(seq: Sequence) -> bool:

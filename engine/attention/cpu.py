@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import (
+from engine.attention.reference import (
     AttentionBackend,
     AttentionMetadata,
     decode_groups,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.reference import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

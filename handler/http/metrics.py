@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine import StepStats
+from engine import Gauges, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 128, 256)
@@ -57,16 +57,11 @@ class Metrics:
                                      "Prompt blocks found in the prefix cache / looked up",
                                      registry=r)
         self._preemptions_seen = 0
+        self._gauges: Callable[[], Gauges] | None = None
 
-    def watch(self, waiting: Callable[[], float], running: Callable[[], float],
-              kv_used: Callable[[], float], kv_total: Callable[[], float],
-              prefix_hit_rate: Callable[[], float]) -> None:
-        """Read the live gauges from the engine at scrape time (correct even when idle)."""
-        self.queue_depth.set_function(waiting)
-        self.running.set_function(running)
-        self.kv_used.set_function(kv_used)
-        self.kv_total.set_function(kv_total)
-        self.prefix_hit_rate.set_function(prefix_hit_rate)
+    def watch(self, gauges: Callable[[], Gauges]) -> None:
+        """Read the engine's gauges at scrape time (correct even when idle)."""
+        self._gauges = gauges
 
     def on_step(self, stats: StepStats) -> None:
         """Called by the engine loop after every step."""
@@ -94,4 +89,13 @@ class Metrics:
         self.e2e.observe(end - start)
 
     def render(self) -> bytes:
+        if self._gauges is not None:  # one snapshot, so the gauges agree with each other
+            now = self._gauges()
+            self.queue_depth.set(now.num_waiting)
+            self.running.set(now.num_running)
+            self.kv_used.set(now.kv_blocks_used)
+            self.kv_total.set(now.kv_blocks_total)
+            self.kv_block_size.set(now.kv_block_size)
+            self.max_concurrency.set(now.max_concurrency)
+            self.prefix_hit_rate.set(now.prefix_cache_hit_rate)
         return generate_latest(self.registry)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from engine.allocator import KVAllocator
+from engine.kv.allocator import KVAllocator
 from engine.sequence import Sequence
 
 _BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash, this block's token ids)

@@ -8,7 +8,9 @@ import os
 import re
 from pathlib import Path
 
-from engine.models.loader import PICKLE_SUFFIXES
+from handler.model_source.checks import check_model_dir, is_model_dir
+from handler.model_source.default_model import default_model_dir, ensure_default_model
+from handler.model_source.s3 import download_model, is_s3_uri, s3_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -16,26 +18,8 @@ SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def check_model_dir(path: Path) -> Path:
-    """Raise ValueError unless `path` holds config.json and safetensors weights."""
-    if not path.is_dir():
-        raise ValueError(f"model folder {path} does not exist")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model folder {path} has no config.json")
-    if not any(path.glob("*.safetensors")):
-        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        why = f" (it has pickle checkpoints: {', '.join(pickles[:3])})" if pickles else ""
-        raise ValueError(f"model folder {path} has no *.safetensors weights{why}; only "
-                         "safetensors are loaded because unpickling can run arbitrary code")
-    return path
-
-
 def resolve_model_dir(model_dir: Path | None, model_id: str | None, cache_dir: Path | None,
-                      root: Path = SAGEMAKER_MODEL_DIR, fetch: bool = True) -> Path:
+                      *, root: Path = SAGEMAKER_MODEL_DIR, fetch: bool = True) -> Path:
     """The folder to load, in LMI's order; the embedded default model when nothing is given.
 
     With fetch=False, folders made on first use (the default model, an s3:// model's download)
@@ -44,16 +28,12 @@ def resolve_model_dir(model_dir: Path | None, model_id: str | None, cache_dir: P
     if model_dir is not None:
         return check_model_dir(model_dir)
     if model_id:
-        from handler.s3_model import download_model, is_s3_uri, s3_cache_dir
-
         if is_s3_uri(model_id):
             return download_model(model_id, cache_dir) if fetch else s3_cache_dir(model_id,
                                                                                   cache_dir)
         return check_model_dir(_local_model_id(model_id, root))
     if is_model_dir(root):
         return root
-    from handler.default_model import default_model_dir, ensure_default_model
-
     logger.info("no model given and %s holds none: serving the embedded default model", root)
     return ensure_default_model(cache_dir) if fetch else default_model_dir(cache_dir)
 

@@ -26,7 +26,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.loader import PICKLE_SUFFIXES
+from engine import PICKLE_SUFFIXES
+from handler.model_source.checks import check_model_dir
+from handler.model_source.default_model import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,6 @@ def parse_s3_uri(value: str) -> S3Uri:
 
 def s3_cache_dir(uri: str | S3Uri, cache_dir: Path | None = None) -> Path:
     """Where the model of `uri` lives once downloaded (whether or not it is there yet)."""
-    from handler.default_model import default_cache_dir
-
     uri = parse_s3_uri(uri) if isinstance(uri, str) else uri
     digest = hashlib.sha256(str(uri).encode()).hexdigest()[:16]
     name = re.sub(r"[^\w.-]", "_", (uri.prefix.rsplit("/", 1)[-1] or uri.bucket))[:100]
@@ -103,8 +103,6 @@ def is_complete(folder: Path) -> bool:
 def download_model(uri: str, cache_dir: Path | None = None,
                    environ: Mapping[str, str] | None = None, client=None) -> Path:
     """The local folder holding the model of `uri`: the cached one, or downloaded now."""
-    from handler.model_store import check_model_dir
-
     environ = os.environ if environ is None else environ
     parsed = parse_s3_uri(uri)
     dest = s3_cache_dir(parsed, cache_dir)

@@ -8,10 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import EngineConfig
-from engine.backends import ATTENTION_BACKENDS
-from engine.models.linear import LINEAR_BACKENDS
-from handler.properties import (
+from engine import ATTENTION_BACKENDS, DEVICES, LINEAR_BACKENDS, NATIVE_ARCHITECTURES, EngineConfig
+from handler.config.properties import (
     ENGINE_KEYS,
     IGNORED_KEYS,
     SERVER_KEYS,
@@ -22,7 +20,6 @@ from handler.properties import (
 
 logger = logging.getLogger(__name__)
 
-NATIVE_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 PAGED_VALUES = {"vllm", "lmi-dist", "paged"}
 ROLLING_VALUES = {"disable", "auto", "scheduler"} | PAGED_VALUES
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
@@ -75,7 +72,7 @@ class _Reader:
         s = self.settings[key]
         raise ConfigError(f"invalid {key}={s.value!r} (from {s.source}): expected {allowed}")
 
-    def int(self, key: str, default: int | None, minimum: int = 1) -> int | None:
+    def integer(self, key: str, default: int | None, minimum: int = 1) -> int | None:
         value = self.raw(key)
         if value is None:
             return default
@@ -83,7 +80,7 @@ class _Reader:
             self.fail(key, f"an integer >= {minimum}")
         return int(value)
 
-    def float(self, key: str, default: float, low: float, high: float | None = None) -> float:
+    def number(self, key: str, default: float, low: float, high: float | None = None) -> float:
         value = self.raw(key)
         if value is None:
             return default
@@ -95,7 +92,7 @@ class _Reader:
             self.fail(key, f"a number in [{low:g}, {'inf' if high is None else f'{high:g}'}]")
         return number
 
-    def bool(self, key: str, default: bool) -> bool:
+    def flag(self, key: str, default: bool) -> bool:
         value = self.raw(key)
         if value is None:
             return default
@@ -142,7 +139,7 @@ def select_strategy(r: _Reader, batch_size: int, architectures: list[str]) -> tu
         return ("none", "batch_size=1") if batch_size == 1 else ("dynamic", "batch_size > 1")
     if rolling == "scheduler":
         return "continuous", why
-    if rolling == "lmi-dist" and not r.bool("option.paged_attention", True):
+    if rolling == "lmi-dist" and not r.flag("option.paged_attention", True):
         return "continuous", why + " with option.paged_attention=false"
     if rolling in PAGED_VALUES:
         return "paged", why
@@ -156,39 +153,39 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
     """Validate every setting and pick the strategy; raises ConfigError on the first bad one."""
     _warn_unknown(settings)
     r = _Reader(settings)
-    batch_size = r.int("batch_size", 1)
+    batch_size = r.integer("batch_size", 1)
     strategy, why = select_strategy(r, batch_size, architectures)
     tp = r.raw("option.tensor_parallel_degree")
     if tp is not None and tp.lower() not in ("1", "max"):
         r.fail("option.tensor_parallel_degree", "1 or max (this engine runs on one device)")
     max_num_seqs = {"none": 1, "dynamic": batch_size}.get(
-        strategy, r.int("option.max_rolling_batch_size", 32))
+        strategy, r.integer("option.max_rolling_batch_size", 32))
     try:
         engine = EngineConfig(
             model=str(model_dir), batching=strategy, max_num_seqs=max_num_seqs,
-            max_batch_delay_ms=r.float("max_batch_delay", 100.0, 0.0),
-            max_model_len=r.int("option.max_model_len", None, 2),
-            max_num_batched_tokens=r.int("option.max_rolling_batch_prefill_tokens", None),
+            max_batch_delay_ms=r.number("max_batch_delay", 100.0, 0.0),
+            max_model_len=r.integer("option.max_model_len", None, 2),
+            max_num_batched_tokens=r.integer("option.max_rolling_batch_prefill_tokens", None),
             dtype=r.choice("option.dtype", "auto", DTYPES),
-            device=r.choice("option.device", "auto", {"auto", "cpu", "cuda"}),
-            block_size=r.int("option.block_size", 16),
-            enable_chunked_prefill=r.bool("option.enable_chunked_prefill", True),
-            enable_prefix_caching=r.bool("option.enable_prefix_caching", False),
+            device=r.choice("option.device", "auto", set(DEVICES)),
+            block_size=r.integer("option.block_size", 16),
+            enable_chunked_prefill=r.flag("option.enable_chunked_prefill", True),
+            enable_prefix_caching=r.flag("option.enable_prefix_caching", False),
             kv_cache_memory=r.size("option.kv_cache_memory"),
-            num_kv_blocks=r.int("option.num_kv_blocks", None),
-            gpu_memory_utilization=r.float("option.gpu_memory_utilization", 0.9, 0.01, 1.0),
+            num_kv_blocks=r.integer("option.num_kv_blocks", None),
+            gpu_memory_utilization=r.number("option.gpu_memory_utilization", 0.9, 0.01, 1.0),
             attention_backend=r.choice("option.attention_backend", "auto",
                                        set(ATTENTION_BACKENDS)),
             linear_backend=r.choice("option.linear_backend", "auto", set(LINEAR_BACKENDS)),
-            seed=r.int("option.seed", 0, 0),
-            trust_remote_code=r.bool("option.trust_remote_code", False))
+            seed=r.integer("option.seed", 0, 0),
+            trust_remote_code=r.flag("option.trust_remote_code", False))
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"invalid resolved configuration: {err}") from err
     return ServingConfig(
-        engine=engine, job_queue_size=r.int("job_queue_size", 1000, 0),
-        predict_timeout=r.float("option.predict_timeout", 120.0, 0.001),
+        engine=engine, job_queue_size=r.integer("job_queue_size", 1000, 0),
+        predict_timeout=r.number("option.predict_timeout", 120.0, 0.001),
         max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
         model_id=model_id_setting(settings), strategy_reason=why, settings=dict(settings))
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from flask import Response
 
-from handler.schemas import HTTPError
+from handler.http.schemas import HTTPError
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from engine.allocator import ContiguousAllocator, KVAllocator
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv.allocator import ContiguousAllocator, KVAllocator
+from engine.kv.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ def build_allocator(config: EngineConfig, plan: KVPlan) -> KVAllocator:
     """The strategy's allocator over the planned pool."""
     if config.is_contiguous:
         return ContiguousAllocator(num_slots=plan.num_blocks, max_model_len=plan.block_size)
-    return BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
+    return BlockManager(plan.num_blocks, plan.block_size,
+                        enable_prefix_caching=config.enable_prefix_caching)
 
 
 def default_budget_bytes(device_type: str, gpu_memory_utilization: float) -> int:

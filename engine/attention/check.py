@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from engine.attention import ReferenceAttention, reference_attention
+from engine.attention.reference import ReferenceAttention, reference_attention
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.base import ScheduledBatch

@@ -10,9 +10,17 @@ from collections.abc import Iterator
 
 from flask import Response
 
-from engine import EngineDeadError, QueueFullError, RequestError, RequestHandle, TokenEvent
-from handler.chat import ChatRequest, chat_chunk
-from handler.schemas import (
+from engine import (
+    EngineDeadError,
+    GenerationRequest,
+    QueueFullError,
+    RequestError,
+    RequestHandle,
+    SamplingParams,
+    TokenEvent,
+)
+from handler.http.chat import ChatRequest, chat_chunk
+from handler.http.schemas import (
     GenerateRequest,
     HTTPError,
     bad_request,
@@ -20,7 +28,7 @@ from handler.schemas import (
     final_error,
     token_dict,
 )
-from handler.state import ServerState
+from handler.http.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +37,14 @@ SSE = "text/event-stream"
 Lines = Iterator[tuple[dict, TokenEvent]]  # (JSON object to write, the event it reports)
 
 
-def submit(state: ServerState, ids: list[int], params, stream: bool) -> RequestHandle:
-    assert state.loop is not None
+def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, *,
+           stream: bool) -> list[RequestHandle]:
+    """Queue every prompt, or none: an invalid one, a full queue or a dead engine is an HTTP
+    error and nothing of the request stays queued."""
     deadline = None if stream else time.monotonic() + state.config.predict_timeout
+    requests = [GenerationRequest(tuple(ids), params, deadline) for ids in prompts]
     try:
-        return state.loop.submit(ids, params, deadline)
+        return state.engine.submit_all(requests)
     except RequestError as err:
         raise bad_request(str(err)) from err
     except QueueFullError as err:
@@ -41,19 +52,6 @@ def submit(state: ServerState, ids: list[int], params, stream: bool) -> RequestH
                         "job_queue_size or retry later", {"Retry-After": "1"}) from err
     except EngineDeadError as err:
         raise HTTPError(503, "ServiceUnavailable", str(err)) from err
-
-
-def submit_all(state: ServerState, prompts: list[list[int]],
-                gen: GenerateRequest) -> list[RequestHandle]:
-    handles: list[RequestHandle] = []
-    try:
-        for ids in prompts:
-            handles.append(submit(state, ids, gen.params, stream=False))
-    except HTTPError:
-        for handle in handles:
-            handle.abort()
-        raise
-    return handles
 
 
 def collect(state: ServerState, handle: RequestHandle, start: float) -> list[TokenEvent]:
@@ -90,12 +88,13 @@ def generate_lines(gen: GenerateRequest, handle: RequestHandle) -> Lines:
 def chat_lines(state: ServerState, chat: ChatRequest, handle: RequestHandle) -> Lines:
     first = True
     for event in handle.events():
-        yield chat_chunk(chat, state.model_name, event, first, state.token_text), event
+        yield chat_chunk(chat, state.model_name, event, first=first,
+                         decode=state.engine.decode), event
         first = False
 
 
-def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, sse: bool,
-            done: bool, start: float) -> Response:
+def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, sse: bool,
+                    done_line: bool, start: float) -> Response:
     """Write lines as they come; a client that goes away aborts its request (frees its KV)."""
 
     def generate() -> Iterator[str]:
@@ -110,7 +109,7 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, sse
                     line = {**error.body(), "error": error.message,
                             "details": {"finish_reason": "error"}}
                 yield f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
-            if done:
+            if done_line:  # OpenAI's end-of-stream marker
                 yield "data: [DONE]\n\n"
         finally:
             handle.abort()  # no-op when finished; frees KV when the client disconnected

@@ -53,7 +53,7 @@ class GenerateRequest:
     return_full_text: bool
 
 
-def parse_generate(body: dict, wants_stream: bool) -> GenerateRequest:
+def parse_generate(body: dict, *, wants_stream: bool) -> GenerateRequest:
     """Validate `{"inputs", "parameters", "stream"}`; raises HTTPError 400 naming the field."""
     inputs = body.get("inputs")
     is_list = isinstance(inputs, list)
@@ -121,7 +121,7 @@ def token_dict(event: TokenEvent) -> dict:
     return {"id": event.token_id, "text": event.text, "log_prob": event.logprob}
 
 
-def details_dict(events: list[TokenEvent], with_tokens: bool) -> dict:
+def details_dict(events: list[TokenEvent], *, with_tokens: bool) -> dict:
     last = events[-1]
     details = {"finish_reason": last.finish_reason, "generated_tokens": last.num_output_tokens,
                "inputs": last.num_prompt_tokens}

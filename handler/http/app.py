@@ -10,9 +10,9 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from engine import RequestError
-from handler import sagemaker_runtime
-from handler.chat import chat_completion, parse_chat
-from handler.generation import (
+from handler.http import sagemaker_runtime
+from handler.http.chat import chat_completion, parse_chat
+from handler.http.generation import (
     JSONLINES,
     SSE,
     chat_lines,
@@ -20,16 +20,14 @@ from handler.generation import (
     generate_lines,
     stream_response,
     submit,
-    submit_all,
 )
-from handler.schemas import (
-    GenerateRequest,
+from handler.http.schemas import (
     HTTPError,
     bad_request,
     generation_dict,
     parse_generate,
 )
-from handler.state import ServerState
+from handler.http.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +98,7 @@ def _as_model_error(state: ServerState, call) -> Response:
         return sagemaker_runtime.model_error(error)
 
 
-def _serve(state: ServerState, chat_only: bool, accept: str | None = None) -> Response:
+def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None) -> Response:
     start = time.monotonic()
     if not state.ready():
         raise HTTPError(503, "ServiceUnavailable", f"not ready: model is {state.status}")
@@ -109,26 +107,13 @@ def _serve(state: ServerState, chat_only: bool, accept: str | None = None) -> Re
     wants_stream = JSONLINES in accept or SSE in accept
     sse = SSE in accept
     if chat_only or "messages" in body:
-        if "messages" not in body:
-            raise bad_request("field messages is required")
-        chat = parse_chat(body, wants_stream)
-        try:
-            prompt = state.encode_chat(chat.messages)
-        except RequestError as err:
-            raise bad_request(str(err)) from err
-        handle = submit(state, prompt, chat.params, chat.stream)
-        if chat.stream:
-            return stream_response(chat_lines(state, chat, handle), handle, state, sse, sse, start)
-        events = collect(state, handle, start)
-        return _json(chat_completion(chat, state.model_name, events, state.token_text), 200)
-    gen = parse_generate(body, wants_stream)
-    prompts = [state.encode(text) for text in gen.inputs]
-    for ids in prompts:  # one invalid input fails the request before anything is submitted
-        _validate(state, ids, gen)
+        return _serve_chat(state, body, wants_stream=wants_stream, sse=sse, start=start)
+    gen = parse_generate(body, wants_stream=wants_stream)
+    prompts = [state.engine.encode(text) for text in gen.inputs]
+    handles = submit(state, prompts, gen.params, stream=gen.stream)
     if gen.stream:
-        handle = submit(state, prompts[0], gen.params, stream=True)
-        return stream_response(generate_lines(gen, handle), handle, state, sse, False, start)
-    handles = submit_all(state, prompts, gen)
+        return stream_response(generate_lines(gen, handles[0]), handles[0], state, sse=sse,
+                               done_line=False, start=start)
     try:
         results = [generation_dict(collect(state, h, start), text, gen)
                    for h, text in zip(handles, gen.inputs, strict=True)]
@@ -136,6 +121,24 @@ def _serve(state: ServerState, chat_only: bool, accept: str | None = None) -> Re
         for handle in handles:  # no-op when finished; frees the rest when one input failed
             handle.abort()
     return _json(results if gen.is_list else results[0], 200)
+
+
+def _serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
+                start: float) -> Response:
+    if "messages" not in body:
+        raise bad_request("field messages is required")
+    chat = parse_chat(body, wants_stream=wants_stream)
+    try:
+        prompt = state.engine.encode_chat(chat.messages)
+    except RequestError as err:
+        raise bad_request(str(err)) from err
+    [handle] = submit(state, [prompt], chat.params, stream=chat.stream)
+    if chat.stream:
+        return stream_response(chat_lines(state, chat, handle), handle, state, sse=sse,
+                               done_line=sse, start=start)
+    events = collect(state, handle, start)
+    return _json(chat_completion(chat, state.model_name, events, decode=state.engine.decode),
+                 200)
 
 
 def _read_body() -> dict:
@@ -169,13 +172,6 @@ def _finite(text: str) -> float:
 
 def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _validate(state: ServerState, ids: list[int], gen: GenerateRequest) -> None:
-    try:
-        state.validate(ids, gen.params)
-    except RequestError as err:
-        raise bad_request(str(err)) from err
 
 
 def _json(payload, status: int) -> Response:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import TokenEvent
-from handler.schemas import bad_request, sampling_params
+from handler.http.schemas import bad_request, sampling_params
 
 _CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature",
                 "top_p", "seed", "stop", "stream", "logprobs", "top_logprobs", "n",
@@ -28,7 +28,7 @@ class ChatRequest:
     created: int
 
 
-def parse_chat(body: dict, wants_stream: bool) -> ChatRequest:
+def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
     """Validate an OpenAI chat body; unsupported options are errors, not silently ignored."""
     unknown = sorted(set(body) - _CHAT_FIELDS)
     if unknown:
@@ -60,13 +60,13 @@ def parse_chat(body: dict, wants_stream: bool) -> ChatRequest:
                        f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
 
 
-def _logprobs(events: list[TokenEvent], decode: Callable[[int], str]) -> dict:
+def _logprobs(events: list[TokenEvent], decode: Callable[[list[int]], str]) -> dict:
     """OpenAI's logprobs.content: each token, its log-probability and the top alternatives."""
     def entry(text: str, logprob: float | None) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return {"content": [{**entry(e.text, e.logprob),
-                         "top_logprobs": [entry(decode(i), lp) for i, lp in e.top_logprobs]}
+                         "top_logprobs": [entry(decode([i]), lp) for i, lp in e.top_logprobs]}
                         for e in events if e.token_id is not None]}
 
 
@@ -75,8 +75,8 @@ def _usage(last: TokenEvent) -> dict:
             "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
 
 
-def chat_completion(req: ChatRequest, model: str, events: list[TokenEvent],
-                    decode: Callable[[int], str]) -> dict:
+def chat_completion(req: ChatRequest, model: str, events: list[TokenEvent], *,
+                    decode: Callable[[list[int]], str]) -> dict:
     last = events[-1]
     return {
         "id": req.completion_id, "object": "chat.completion", "created": req.created,
@@ -89,8 +89,8 @@ def chat_completion(req: ChatRequest, model: str, events: list[TokenEvent],
     }
 
 
-def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, first: bool,
-               decode: Callable[[int], str]) -> dict:
+def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first: bool,
+               decode: Callable[[list[int]], str]) -> dict:
     """One streamed chunk: the role first, then content deltas; the last has finish + usage."""
     delta: dict = {"role": "assistant", "content": ""} if first else {}
     if event is not None and event.text:

@@ -6,13 +6,12 @@ import logging
 
 import torch
 
-from engine.attention import AttentionBackend, ReferenceAttention
-from engine.attention_cpu import CpuPagedAttention
+from engine.attention.cpu import CpuPagedAttention
+from engine.attention.reference import AttentionBackend, ReferenceAttention
+from engine.config import ATTENTION_BACKENDS
 from engine.kernels import compiler
 
 logger = logging.getLogger(__name__)
-
-ATTENTION_BACKENDS = ("auto", "reference", "flex", "cpu_paged")
 
 # flash-attn is not wired in yet. Its paged path (flash_attn_with_kvcache with block_table) needs
 # page_block_size % 256 == 0 in upstream flash-attn 2 (docstring; Dao-AILab/flash-attention#828),
@@ -38,7 +37,7 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
         raise ValueError(f"invalid attention_backend={name!r}: must be one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if name == "flex" or (name == "auto" and device.type == "cuda" and _flex_available()):
-        from engine.attention_flex import FlexAttention
+        from engine.attention.flex import FlexAttention
 
         backend: AttentionBackend = FlexAttention(device)
     elif name == "cpu_paged" or (name == "auto" and device.type == "cpu" and compiler()):

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from gunicorn.app.base import BaseApplication
 
-from handler.app import create_app
-from handler.state import ServerState
+from handler.http.app import create_app
+from handler.http.state import ServerState
 
 logger = logging.getLogger(__name__)
 

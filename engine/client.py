@@ -1,0 +1,92 @@
+"""EngineClient: the engine's one boundary for callers on other threads (the HTTP edge).
+
+Text goes in and comes out here (encode, encode_chat, decode); requests are typed and validated
+once, here, before they reach the loop's inbox; gauges() is the state /ping and /metrics read.
+Nothing behind it (tokenizer, scheduler, allocator) is for callers to touch."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from jinja2 import TemplateError
+
+from engine.config import EngineConfig
+from engine.inputs import GenerationRequest
+from engine.llm_engine import LLMEngine
+from engine.loop import EngineLoop, RequestHandle
+from engine.outputs import Gauges, StepStats
+from engine.sampling_params import RequestError
+
+
+class EngineClient:
+    """Owns an LLMEngine and the loop thread that drives it."""
+
+    def __init__(self, engine: LLMEngine, max_queued: int,
+                 on_step: Callable[[StepStats], None] | None = None) -> None:
+        self._engine = engine
+        self._tokenizer = engine.tokenizer
+        self._tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share
+        self._loop = EngineLoop(engine, max_queued, on_step)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_queued: int,
+                    on_step: Callable[[StepStats], None] | None = None) -> EngineClient:
+        """Load the model and build the engine; start() then begins serving."""
+        return cls(LLMEngine.from_config(config), max_queued, on_step)
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def shutdown(self, grace_seconds: float) -> None:
+        """Stop accepting, let in-flight requests finish within the grace period, abort the rest."""
+        self._loop.shutdown(grace_seconds)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    # --- text ---
+
+    def encode(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return self._tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The model's chat template applied, ready to generate the assistant's turn."""
+        with self._tokenizer_lock:
+            if not self._tokenizer.chat_template:
+                raise RequestError("this model has no chat template; send {\"inputs\": ...}",
+                                   "messages")
+            try:
+                text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tokenize=False)
+            except TemplateError as err:  # e.g. the template wants alternating roles
+                raise RequestError(f"messages do not fit the model's chat template: {err}",
+                                   "messages") from err
+            return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids, e.g. one logprob alternative's."""
+        with self._tokenizer_lock:
+            return self._tokenizer.decode(list(token_ids))
+
+    # --- requests ---
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Validate and queue one request; raises RequestError, QueueFullError or
+        EngineDeadError, and queues nothing when it raises."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
+        """Validate every request, then queue them all or none."""
+        for request in requests:
+            self._engine.validate(request.prompt_token_ids, request.params)
+        return self._loop.submit(requests)
+
+    def abort(self, request_id: str) -> None:
+        """End a request and free its KV (no-op when it already finished)."""
+        self._loop.abort(request_id)
+
+    def gauges(self) -> Gauges:
+        return self._loop.gauges()

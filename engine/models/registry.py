@@ -1,0 +1,14 @@
+"""Which architectures run natively, and which checkpoint files are never loaded. Pure Python:
+the handler chooses a strategy from it before torch is imported."""
+
+from __future__ import annotations
+
+# The HF `architectures` name in config.json -> the family that implements it (see loader.py).
+NATIVE_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+}
+
+# Unpickling a checkpoint can run arbitrary code: only safetensors are loaded.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -1,0 +1,28 @@
+"""ModelSpec: facts about the loaded model that the engine sizes itself by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Read from config.json by the model class; the KV pool and the runner are shaped by it."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize

@@ -1,0 +1,70 @@
+"""ServerState: the model's life cycle (loading → ready | failed) shared by request threads."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from engine import EngineClient
+from handler.config.serving_config import ServingConfig
+from handler.http.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class ServerState:
+    """Loads the engine in the background; answers readiness without ever blocking on it."""
+
+    def __init__(self, config: ServingConfig, prepare_model: Callable[[], Path] | None = None,
+                 on_load_failure: Callable[[], None] | None = None,
+                 load_delay: float = 0.0) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.model_name = Path(config.engine.model).name
+        self.status = "loading"
+        self.client: EngineClient | None = None
+        self._prepare_model = prepare_model
+        self._on_load_failure = on_load_failure
+        self._load_delay = load_delay  # test hook: makes the loading phase observable
+
+    def start_loading(self) -> None:
+        threading.Thread(target=self._load, name="model-loader", daemon=True).start()
+
+    def ready(self) -> bool:
+        return self.status == "ready" and self.client is not None and self.client.gauges().alive
+
+    @property
+    def engine(self) -> EngineClient:
+        """The running engine; only called on paths that checked ready()."""
+        assert self.client is not None, "the engine is not loaded"
+        return self.client
+
+    def serve(self, client: EngineClient) -> None:
+        """Start serving through `client` (loaded by _load, or built by a test)."""
+        self.client = client
+        self.metrics.watch(client.gauges)
+        client.start()
+        self.status = "ready"
+
+    def shutdown(self, grace_seconds: float) -> None:
+        self.status = "stopping"
+        if self.client is not None:
+            self.client.shutdown(grace_seconds)
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        try:
+            time.sleep(self._load_delay)
+            if self._prepare_model is not None:
+                self._prepare_model()
+            self.serve(EngineClient.from_config(self.config.engine, self.config.job_queue_size,
+                                                self.metrics.on_step))
+            logger.info("model loaded in %.1f s; serving", time.monotonic() - started)
+        except Exception:
+            logger.exception("model loading failed")
+            self.status = "failed"
+            if self._on_load_failure is not None:
+                self._on_load_failure()

@@ -1,0 +1,140 @@
+"""The layering holds: handler/ reaches the engine only through its public face, engine/ knows
+nothing of the HTTP edge, and no import cycle exists, function-level imports included."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "handler", "benchmark", "deploy")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def our_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imported_names(path: Path) -> list[str]:
+    """Every module an import statement names, at any depth; `if TYPE_CHECKING:` blocks are
+    skipped because they never run. `from a import b` names a.b (if b is a module) and a."""
+    names: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Our module -> the modules of ours it imports (names that are not modules are dropped)."""
+    modules = our_modules()
+    return {name: {n for n in imported_names(path) if n in modules and n != name}
+            for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_handler_imports_only_the_engines_public_face() -> None:
+    modules = our_modules()
+    reaching_in = [(name, imported) for name, path in modules.items()
+                   if name.startswith("handler")
+                   for imported in imported_names(path)
+                   if imported.startswith("engine.") and not _is_public_name(imported)]
+    assert reaching_in == [], "handler/ must import from `engine` only"
+
+
+def _is_public_name(imported: str) -> bool:
+    """`from engine import X` is recorded as engine and engine.X; X must not be a module."""
+    return imported.count(".") == 1 and imported not in our_modules()
+
+
+def test_engine_knows_nothing_of_the_edge() -> None:
+    forbidden = ("handler", "benchmark", "deploy", "flask", "gunicorn", "werkzeug")
+    leaks = [(name, imported) for name, path in our_modules().items()
+             if name.startswith("engine")
+             for imported in imported_names(path)
+             if imported.split(".")[0] in forbidden]
+    assert leaks == []
+
+
+def test_engine_internals_do_not_import_the_public_face() -> None:
+    """engine/__init__ imports the internals; an internal importing it back is a cycle."""
+    graph = import_graph()
+    back = [name for name, imports in graph.items()
+            if name.startswith("engine.") and "engine" in imports]
+    assert back == []
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_checker_sees_function_level_imports_and_finds_cycles(tmp_path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+                      "def f():\n    from engine.models import llama\n")
+    assert imported_names(module) == ["typing", "typing.TYPE_CHECKING", "engine.models",
+                                      "engine.models.llama"]
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_importing_the_engine_and_the_config_does_not_import_torch() -> None:
+    """The handler picks a strategy and the CLI answers --help before torch loads."""
+    code = ("import sys, engine, handler.config.serving_config, handler.model_source.store; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
