@@ -98,7 +98,7 @@ class LoadPlan:
         return f"{mode}, until {' or '.join(stop)}"
 
 
-def run_load(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool = True,
+def run_load(target: Target, jobs: list[Job], plan: LoadPlan, *, stream: bool = True,
              metrics_url: str | None = None, progress: bool = True) -> LoadReport:
     """Send `jobs` (cycled) as `plan` says; summarize what came back."""
     before = _scrape(metrics_url)
@@ -107,7 +107,7 @@ def run_load(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool = Tru
     deadline = started + plan.duration_s if plan.duration_s is not None else math.inf
     limit = plan.num_requests if plan.num_requests is not None else math.inf
     send = _poisson if plan.request_rate else _closed_loop
-    results = send(target, jobs, plan, stream, deadline, limit, bar)
+    results = send(target, jobs, plan, stream=stream, deadline=deadline, limit=limit, bar=bar)
     duration = time.perf_counter() - started
     bar.close()
     after = _scrape(metrics_url)
@@ -126,17 +126,17 @@ def _scrape(metrics_url: str | None) -> ServerSnapshot | None:
         return None
 
 
-def _send(target: Target, job: Job, stream: bool, start: float | None = None) -> RequestResult:
+def _send(target: Target, job: Job, *, stream: bool, start: float | None = None) -> RequestResult:
     """A failed request whatever goes wrong in the client, so one request never ends the run."""
     begun = time.perf_counter() if start is None else start
     try:
-        return target.send(job, stream, start=begun)
+        return target.send(job, stream=stream, start=begun)
     except Exception as err:  # noqa: BLE001 - reported in the result, counted as an error
-        return RequestResult(False, begun, time.perf_counter(),
+        return RequestResult(ok=False, start=begun, end=time.perf_counter(),
                              error=f"{type(err).__name__}: {err}"[:200])
 
 
-def _closed_loop(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
+def _closed_loop(target: Target, jobs: list[Job], plan: LoadPlan, *, stream: bool,
                  deadline: float, limit: float, bar: tqdm) -> list[RequestResult]:
     lock = threading.Lock()
     results: list[RequestResult] = []
@@ -149,7 +149,7 @@ def _closed_loop(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
                 if sent >= limit or time.perf_counter() >= deadline:
                     return
                 job, sent = jobs[sent % len(jobs)], sent + 1
-            result = _send(target, job, stream)
+            result = _send(target, job, stream=stream)
             with lock:
                 results.append(result)
             bar.update(1)
@@ -160,7 +160,7 @@ def _closed_loop(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
     return results
 
 
-def _poisson(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
+def _poisson(target: Target, jobs: list[Job], plan: LoadPlan, *, stream: bool,
              deadline: float, limit: float, bar: tqdm) -> list[RequestResult]:
     """Open loop: a request's clock starts when it is due, so waiting for a free client (when
     `concurrency` are busy) counts in its latency rather than hiding it."""
@@ -169,7 +169,7 @@ def _poisson(target: Target, jobs: list[Job], plan: LoadPlan, stream: bool,
     futures: list[Future[RequestResult]] = []
 
     def send(job: Job, at: float) -> RequestResult:
-        result = _send(target, job, stream, start=at)
+        result = _send(target, job, stream=stream, start=at)
         bar.update(1)
         return result
 

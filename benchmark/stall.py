@@ -47,7 +47,7 @@ def run_stall(url: str, prompt: str, decoders: int = 8, decode_tokens: int = 64,
     progress = [0] * decoders
 
     def decode(i: int) -> None:
-        results[i] = target.send(job, True, on_token=lambda n: progress.__setitem__(i, n))
+        results[i] = target.send(job, stream=True, on_token=lambda n: progress.__setitem__(i, n))
         progress[i] = settle_tokens  # finished (or failed): never hold the long prompt back
 
     threads = [threading.Thread(target=decode, args=(i,)) for i in range(decoders)]

@@ -36,7 +36,7 @@ def with_overrides(properties: Path, overrides: list[str], out_dir: Path,
     return copy
 
 
-def run_sweep(files: list[Path], jobs: list[Job], plan: LoadPlan, out_dir: Path,
+def run_sweep(files: list[Path], jobs: list[Job], plan: LoadPlan, out_dir: Path, *,
               warmup: int = 3, overrides: list[str] | None = None,
               model_dir: Path | None = None, stream: bool = True,
               workload: str = "", requests_for: dict[str, int] | None = None
@@ -58,8 +58,10 @@ def run_sweep(files: list[Path], jobs: list[Job], plan: LoadPlan, out_dir: Path,
                 target = HTTPTarget(url)
                 if warmup:
                     run_load(target, jobs[:warmup], LoadPlan(min(warmup, plan.concurrency),
-                                                             warmup), stream, progress=False)
-                report = run_load(target, jobs, own_plan, stream, f"{url}/metrics")
+                                                             warmup), stream=stream,
+                             progress=False)
+                report = run_load(target, jobs, own_plan, stream=stream,
+                                  metrics_url=f"{url}/metrics")
             results[name] = {**head, **asdict(report),
                              "kv_workload_concurrency": workload_concurrency(report)}
         except ServerStartError as err:

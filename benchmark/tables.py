@@ -137,7 +137,7 @@ def _load(r: dict) -> str:
     return f"{r.get('concurrency', '?')} clients, {r.get('num_requests', '?')} requests"
 
 
-def _ranked(results: dict[str, dict], peers: bool) -> list[tuple[float, str]]:
+def _ranked(results: dict[str, dict], *, peers: bool) -> list[tuple[float, str]]:
     return sorted(((r["requests_per_s"], n) for n, r in results.items()
                    if succeeded(r) and is_peer(r) == peers), reverse=True)
 
@@ -148,7 +148,7 @@ def _times(a: float, b: float) -> str:
 
 def summary(results: dict[str, dict], baseline: str = "dynamic") -> str:
     """In words (markdown): which strategy served the most requests/s, and by what ratio."""
-    strategies, peers = _ranked(results, False), _ranked(results, True)
+    strategies, peers = _ranked(results, peers=False), _ranked(results, peers=True)
     failed = [f"{label(n, r)} ({error_line(r, 80)})" for n, r in results.items()
               if not succeeded(r)]
     tail = [f"Did not run: {'; '.join(failed)}."] if failed else []

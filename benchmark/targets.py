@@ -36,7 +36,7 @@ class RequestResult:
 
 
 class Target(Protocol):
-    def send(self, job: Job, stream: bool, start: float | None = None,
+    def send(self, job: Job, *, stream: bool, start: float | None = None,
              on_token: Callable[[int], None] | None = None) -> RequestResult:
         """One request; `start` (perf_counter) backdates it to when it was due to be sent;
         `on_token(n)` is called as the n-th streamed token arrives."""
@@ -51,22 +51,24 @@ class HTTPTarget:
         self.timeout = timeout
         self._local = threading.local()
 
-    def send(self, job: Job, stream: bool, start: float | None = None,
+    def send(self, job: Job, *, stream: bool, start: float | None = None,
              on_token: Callable[[int], None] | None = None) -> RequestResult:
         session = getattr(self._local, "session", None) or requests.Session()
         self._local.session = session
         start = time.perf_counter() if start is None else start
         try:
-            r = session.post(f"{self.url}/invocations", json=job.body(stream),
+            r = session.post(f"{self.url}/invocations", json=job.body(stream=stream),
                              stream=stream, timeout=self.timeout)
             if r.status_code != 200:
-                return RequestResult(False, start, time.perf_counter(), status=r.status_code,
+                return RequestResult(ok=False, start=start, end=time.perf_counter(),
+                                     status=r.status_code,
                                      error=r.text[:200])
             if stream:
                 return stream_result(start, _lines_as_chunks(r.iter_lines()), on_token)
             return json_result(start, r.json())
         except (requests.RequestException, ValueError) as err:
-            return RequestResult(False, start, time.perf_counter(), error=str(err)[:200])
+            return RequestResult(ok=False, start=start, end=time.perf_counter(),
+                                 error=str(err)[:200])
 
 
 class SageMakerTarget:
@@ -99,12 +101,12 @@ class SageMakerTarget:
                                      region_name=session.region_name or "us-east-1",
                                      config=config)
 
-    def send(self, job: Job, stream: bool, start: float | None = None,
+    def send(self, job: Job, *, stream: bool, start: float | None = None,
              on_token: Callable[[int], None] | None = None) -> RequestResult:
         from botocore.exceptions import BotoCoreError, ClientError
 
         start = time.perf_counter() if start is None else start
-        body = json.dumps(job.body(stream)).encode()
+        body = json.dumps(job.body(stream=stream)).encode()
         try:
             if stream:
                 response = self.client.invoke_endpoint_with_response_stream(
@@ -117,10 +119,11 @@ class SageMakerTarget:
             return json_result(start, json.loads(response["Body"].read()))
         except ClientError as err:
             status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            return RequestResult(False, start, time.perf_counter(), status=status,
+            return RequestResult(ok=False, start=start, end=time.perf_counter(), status=status,
                                  error=str(err)[:200])
         except (BotoCoreError, ValueError) as err:
-            return RequestResult(False, start, time.perf_counter(), error=str(err)[:200])
+            return RequestResult(ok=False, start=start, end=time.perf_counter(),
+                                 error=str(err)[:200])
 
 
 def _payload_parts(events: Iterable[dict[str, Any]]) -> Iterable[bytes]:
@@ -140,7 +143,8 @@ def json_result(start: float, body: Any) -> RequestResult:
     answer = body[0] if isinstance(body, list) and body else body
     details = answer.get("details") if isinstance(answer, dict) else None
     details = details if isinstance(details, dict) else {}
-    return RequestResult(True, start, end, [], details.get("generated_tokens", 0), 200,
+    return RequestResult(ok=True, start=start, end=end,
+                         num_output_tokens=details.get("generated_tokens", 0), status=200,
                          num_prompt_tokens=details.get("inputs", 0))
 
 
@@ -161,5 +165,7 @@ def stream_result(start: float, chunks: Iterable[bytes],
     details = last.get("details")
     details = details if isinstance(details, dict) else {}
     ok = details.get("finish_reason") in FINISHED
-    return RequestResult(ok, start, time.perf_counter(), times, len(times), 200,
-                         "" if ok else str(last)[:200], details.get("inputs", 0))
+    return RequestResult(ok=ok, start=start, end=time.perf_counter(), token_times=times,
+                         num_output_tokens=len(times), status=200,
+                         error="" if ok else str(last)[:200],
+                         num_prompt_tokens=details.get("inputs", 0))

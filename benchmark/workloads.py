@@ -21,7 +21,7 @@ class Job:
     prompt: str
     new_tokens: int
 
-    def body(self, stream: bool) -> dict:
+    def body(self, *, stream: bool) -> dict:
         params = {"max_new_tokens": self.new_tokens, "min_new_tokens": self.new_tokens,
                   "ignore_eos": True, "details": True}
         return {"inputs": self.prompt, "parameters": params, "stream": stream}

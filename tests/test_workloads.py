@@ -119,13 +119,14 @@ class RecordingTarget:
         self.starts: list[float] = []
         self.fail_every = fail_every
 
-    def send(self, job, stream, start=None, on_token=None):
+    def send(self, job, *, stream, start=None, on_token=None):
         from benchmark.loadgen import RequestResult
 
         self.starts.append(start)
         if self.fail_every and len(self.starts) % self.fail_every == 0:
             raise ConnectionResetError("peer went away")
-        return RequestResult(True, start, start + 0.001, [start], 1, 200)
+        return RequestResult(ok=True, start=start, end=start + 0.001, token_times=[start],
+                             num_output_tokens=1, status=200)
 
 
 def test_poisson_requests_are_due_at_seeded_exponential_gaps() -> None:
