@@ -78,7 +78,8 @@ def resolve_config(args: argparse.Namespace, environ):
     """
     from handler.config.serving_config import build_serving_config
     from handler.model_source.default_model import default_model_dir, ensure_default_model
-    from handler.model_source.s3 import is_complete, is_s3_uri
+    from handler.model_source.s3 import is_complete
+    from handler.model_source.s3_layout import is_s3_uri
     from handler.model_source.store import SAGEMAKER_MODEL_DIR, resolve_model_dir
 
     properties = args.properties or _env_path(environ, "BATCHYARD_PROPERTIES")

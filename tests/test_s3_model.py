@@ -18,14 +18,8 @@ from botocore.exceptions import ClientError
 from moto.server import ThreadedMotoServer
 
 from handler.cli import resolve_config
-from handler.model_source.s3 import (
-    COMPLETE_MARKER,
-    S3ModelError,
-    describe_error,
-    download_model,
-    parse_s3_uri,
-    s3_cache_dir,
-)
+from handler.model_source.s3 import COMPLETE_MARKER, describe_error, download_model, s3_cache_dir
+from handler.model_source.s3_layout import S3ModelError, parse_s3_uri
 from handler.model_source.store import resolve_model_dir
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import first_answer, running_server, wait_for_ping
@@ -110,7 +104,7 @@ def test_download_skips_what_is_not_served_and_reuses_the_cache(s3, tiny_model, 
         "README.md": b"# card", "pytorch_model.bin": b"pickle", "serving.properties": b"x=1",
         "original/consolidated.00.pth": b"pickle", "chat_template.jinja": b"{{ x }}",
         "sub/": b""})
-    caplog.set_level("INFO", logger="handler.model_source.s3")
+    caplog.set_level("INFO", logger="handler.model_source")
     path = download_model(uri, tmp_path, env_for(s3))
     assert path == s3_cache_dir(uri, tmp_path) == s3_cache_dir(uri + "/", tmp_path)
     assert path.parent.parent == tmp_path / "s3" and path.name == "llama"

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from handler.model_source.checks import check_model_dir, is_model_dir
 from handler.model_source.default_model import default_model_dir, ensure_default_model
-from handler.model_source.s3 import download_model, is_s3_uri, s3_cache_dir
+from handler.model_source.s3 import download_model, s3_cache_dir
+from handler.model_source.s3_layout import is_s3_uri
 
 logger = logging.getLogger(__name__)
 
