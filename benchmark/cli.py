@@ -78,6 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     decode.add_argument("--new-tokens", type=int, default=128)
     decode.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 
+    profile = sub.add_parser("profile", help="step anatomy: time per phase of prefill and "
+                             "decode steps at several batch sizes, offline")
+    profile.add_argument("--model-dir", type=Path, help="default: the embedded default model")
+    profile.add_argument("--batch-sizes", default="1,8,32",
+                         help="decode batch sizes, comma-separated (default 1,8,32)")
+    profile.add_argument("--steps", type=int, default=20, help="decode steps measured per pass")
+    profile.add_argument("--warmup", type=int, default=3, help="decode steps not measured")
+    profile.add_argument("--strategy", choices=("continuous", "paged"), default="paged")
+    profile.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"),
+                         default="auto")
+    profile.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    profile.add_argument("--out", type=Path, help="write profile.json and profile.md here")
+
     random_model = sub.add_parser("random-model", help="a random-weight Llama folder (e.g. 1B "
                                   "for a GPU sweep; noise text, so ignore EOS)")
     random_model.add_argument("out", type=Path, help="a new or empty folder")
@@ -91,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     commands = {"load": _load, "sweep": _sweep, "peers": _peers, "plot": _plot,
-                "stall": _stall, "decode": _decode, "random-model": _random_model}
+                "stall": _stall, "decode": _decode, "profile": _profile,
+                "random-model": _random_model}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message
@@ -267,6 +281,22 @@ def _decode(args: argparse.Namespace) -> int:
           f"{report.transformers_tokens_per_s:.1f} tok/s (x{report.ratio:.2f}); "
           f"same tokens: {report.same_tokens}")
     return 0 if report.same_tokens else 1
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from benchmark.profile import run_profile
+    from handler.model_source.default_model import ensure_default_model
+
+    sizes = [int(n) for n in args.batch_sizes.split(",") if n.strip()]
+    if not sizes or min(sizes) < 1 or args.steps < 1 or args.warmup < 0:
+        raise ValueError("--batch-sizes must list integers >= 1, --steps must be >= 1 and "
+                         "--warmup >= 0")
+    run = run_profile(args.model_dir or ensure_default_model(), sizes, args.steps, args.warmup,
+                      args.strategy, args.dtype, args.device)
+    print(run.table())
+    if args.out:
+        run.save(args.out)
+    return 0
 
 
 def _random_model(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from engine.detokenizer import IncrementalText
 from engine.inputs import GenerationRequest
 from engine.kv.budget import build_allocator, default_budget_bytes, max_concurrency, plan_kv
 from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
+from engine.phases import NoPhases, StepPhases
 from engine.sampling_params import RequestError, SamplingParams
 from engine.scheduler import SCHEDULERS, ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -44,6 +45,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._seed_rng = random.Random(config.seed)
         self._last_batch: ScheduledBatch | None = None
+        self.phases: StepPhases | NoPhases = NoPhases()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -161,12 +163,20 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         """Run one iteration; returns one event per request that got a token or finished."""
         self._last_batch = None
+        self.phases.start()
         batch = self._last_batch = self.scheduler.schedule()
+        self.phases.mark("schedule")
         if batch is None:
             return []
-        samples = self.runner.run(batch)
+        samples = self.runner.run(batch)  # marks prepare, forward and sample
         self.scheduler.postprocess(batch, samples)
-        return self._events(batch, samples)
+        events = self._events(batch, samples)
+        self.phases.mark("postprocess")
+        return events
+
+    def measure_phases(self, phases: StepPhases | NoPhases) -> None:
+        """Time each phase of later steps with `phases` (NoPhases turns it off)."""
+        self.phases = self.runner.phases = phases
 
     def last_step_stats(self, seconds: float) -> StepStats:
         """Facts about the step just run, for metrics."""

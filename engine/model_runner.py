@@ -16,6 +16,7 @@ from engine.attention.reference import (
 )
 from engine.models.spec import ModelSpec
 from engine.outputs import SampledToken
+from engine.phases import NoPhases, StepPhases
 from engine.sampler import GreedyKernel, sample
 from engine.scheduler.base import ScheduledBatch
 
@@ -33,6 +34,7 @@ class ModelRunner:
         self.block_size = block_size
         self.page_size = page_size_for(block_size)
         self.greedy: GreedyKernel | None = None  # a faster argmax + logprob (CPU kernels)
+        self.phases: StepPhases | NoPhases = NoPhases()  # LLMEngine.measure_phases sets it
         # [layers, 2, num_blocks * block_size, num_kv_heads, head_dim]; zeroed so padding is finite
         self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads,
                                     spec.head_dim, dtype=dtype, device=device)
@@ -45,16 +47,20 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
         """Forward the batch's scheduled tokens; sample for sequences that caught up."""
         input_ids, positions, meta, last_rows = self._prepare(batch)
+        self.phases.mark("prepare")
         hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [num_tokens, hidden]
         sampled = [i for i in range(len(batch.seqs)) if batch.is_sampled(i)]
+        out: list[SampledToken | None] = [None] * len(batch.seqs)
         if not sampled:
-            return [None] * len(batch.seqs)
+            self.phases.mark("forward")
+            return out
         rows = torch.tensor([last_rows[i] for i in sampled], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S, vocab] float32
-        out: list[SampledToken | None] = [None] * len(batch.seqs)
+        self.phases.mark("forward")
         for i, token in zip(sampled, sample(logits, [batch.seqs[i] for i in sampled],
                                             self.greedy), strict=True):
             out[i] = token
+        self.phases.mark("sample")
         return out
 
     def _prepare(self, batch: ScheduledBatch):

@@ -1,0 +1,178 @@
+"""Step anatomy: where one engine step's time goes, per step kind (prefill; decode at batch
+1, 8, 32, ...), on any model and device. The instrument for making the decode step GPU-grade.
+
+Each batch size gets its own requests: the prefill steps that admit them, then decode steps
+measured twice. Once with a phase clock that (on CUDA) synchronizes at every phase boundary, so
+each phase owns its device work: that gives the split. Once without, as served: that gives the
+step time, and on CUDA the device-busy time per step (torch.profiler's kernel time), whose
+ratio to the step is how host-bound the step is.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.phases import PHASES, NoPhases, StepPhases
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    kind: str  # "prefill" or "decode"
+    batch: int  # sequences in the step
+    tokens: int  # tokens computed by the step
+    steps: int  # steps measured
+    step_ms: float  # median wall time of a step, as served (no phase syncs)
+    phases_ms: dict[str, float]  # median per phase, with syncs at phase boundaries
+    device_busy_ms: float | None  # kernel time per step (CUDA only)
+
+    @property
+    def host_us_per_seq(self) -> float:
+        """Host phases (everything but forward) per sequence: the cost batching must hide."""
+        host = sum(ms for phase, ms in self.phases_ms.items() if phase != "forward")
+        return 1000 * host / self.batch
+
+
+@dataclass(frozen=True)
+class ProfileRun:
+    model: str
+    device: str
+    dtype: str
+    strategy: str
+    prompt_tokens: int
+    rows: list[StepProfile]
+
+    def table(self) -> str:
+        head = ["step", "batch", "tokens", "step ms", *(f"{p} ms" for p in PHASES),
+                "host us/seq", "device busy ms"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in self.rows:
+            busy = "-" if r.device_busy_ms is None else f"{r.device_busy_ms:.3f}"
+            cells = [r.kind, str(r.batch), str(r.tokens), f"{r.step_ms:.3f}",
+                     *(f"{r.phases_ms.get(p, 0.0):.3f}" for p in PHASES),
+                     f"{r.host_us_per_seq:.1f}", busy]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def save(self, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        data = {**asdict(self), "rows": [{**asdict(r), "host_us_per_seq": r.host_us_per_seq}
+                                         for r in self.rows]}
+        (out_dir / "profile.json").write_text(json.dumps(data, indent=2))
+        (out_dir / "profile.md").write_text(
+            f"Step anatomy: {self.model} on {self.device} ({self.dtype}), strategy "
+            f"{self.strategy}, {self.prompt_tokens}-token prompts; medians.\n\n"
+            + self.table() + "\n")
+
+
+def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup: int = 3,
+                strategy: str = "paged", dtype: str = "auto", device: str = "auto",
+                prompt: str = "Write a program to add two numbers in python") -> ProfileRun:
+    """Profile prefill and decode steps at each batch size on one engine."""
+    from transformers import AutoTokenizer
+
+    from engine import EngineConfig, LLMEngine
+
+    new_tokens = warmup + 3 * steps + 2  # decode steps for both passes and the profiler's
+    prompt_ids = AutoTokenizer.from_pretrained(model_dir, local_files_only=True).encode(prompt)
+    # Whole blocks per sequence, so the pool (max_num_seqs x max_model_len tokens) holds
+    # every sequence at once: no preemption distorts the figures.
+    max_model_len = -(-(len(prompt_ids) + new_tokens + 1) // 16) * 16
+    config = EngineConfig(model=str(model_dir), batching=strategy, dtype=dtype, device=device,
+                          max_num_seqs=max(batch_sizes), max_model_len=max_model_len)
+    engine = LLMEngine.from_config(config)
+    rows: list[StepProfile] = []
+    for batch in batch_sizes:
+        rows += _profile_batch(engine, prompt_ids, batch, new_tokens, steps, warmup)
+    return ProfileRun(str(model_dir), str(engine.runner.device),
+                      str(engine.runner.kv_cache.dtype).removeprefix("torch."), strategy,
+                      len(prompt_ids), rows)
+
+
+def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, steps: int,
+                   warmup: int) -> list[StepProfile]:
+    from engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            ignore_eos=True)
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, prompt_ids, params)
+    sync = _device_sync(engine.runner.device)
+    prefill = _phase_steps(engine, sync, is_prefill=True)
+    for _ in range(warmup):
+        engine.step()
+    decode = _phase_steps(engine, sync, is_prefill=False, count=steps)
+    step_ms = _served_step_ms(engine, sync, steps)
+    busy = _device_busy_ms(engine, steps) if sync is not None else None
+    for request_id in ids:
+        engine.abort(request_id)
+    return [_row("prefill", batch, prefill, None, None),
+            _row("decode", batch, decode, step_ms, busy)]
+
+
+def _phase_steps(engine, sync: Callable[[], None] | None, *, is_prefill: bool,
+                 count: int | None = None) -> list[tuple[int, dict[str, float]]]:
+    """(tokens, seconds per phase) of each step of the kind asked for, up to `count`; the
+    first step of the other kind ends it (and is not recorded)."""
+    phases = StepPhases(sync)
+    engine.measure_phases(phases)
+    measured = []
+    try:
+        while count is None or len(measured) < count:
+            engine.step()
+            batch = engine.last_batch
+            if batch is None:  # nothing could run yet (never under continuous or paged)
+                continue
+            if (batch.num_prefill_tokens > 0) != is_prefill:
+                break
+            measured.append((batch.num_prefill_tokens + batch.num_decode_tokens,
+                             dict(phases.seconds)))
+    finally:
+        engine.measure_phases(NoPhases())
+    return measured
+
+
+def _served_step_ms(engine, sync: Callable[[], None] | None, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def _device_busy_ms(engine, steps: int) -> float:
+    """Kernel time per step on CUDA, from torch.profiler, without syncs inside the steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return kernel_us / 1000 / steps
+
+
+def _row(kind: str, batch: int, measured: list[tuple[int, dict[str, float]]],
+         step_ms: float | None, busy_ms: float | None) -> StepProfile:
+    phases_ms = {p: 1000 * statistics.median(s.get(p, 0.0) for _, s in measured)
+                 for p in PHASES}
+    wall = step_ms if step_ms is not None else sum(phases_ms.values())
+    return StepProfile(kind, batch, int(statistics.median(t for t, _ in measured)),
+                       len(measured), wall, phases_ms, busy_ms)
+
+
+def _device_sync(device) -> Callable[[], None] | None:
+    if device.type != "cuda":
+        return None  # CPU ops finish before they return: nothing to wait for
+    import torch
+
+    return torch.cuda.synchronize

@@ -1,0 +1,71 @@
+"""Step anatomy (`batchyard bench profile`): the phase clock, and the profile on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmark.cli import main as bench_main
+from benchmark.profile import run_profile
+from engine.phases import PHASES, StepPhases
+from tests.engine_harness import Req, drive, greedy, make_engine
+from tests.models_fixtures import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("profile-model"))
+
+
+def test_step_phases_add_up_to_the_step_and_run_syncs_at_each_mark(model_dir) -> None:
+    engine = make_engine(model_dir, "paged")
+    syncs = []
+    phases = StepPhases(sync=lambda: syncs.append(1))
+    engine.measure_phases(phases)
+    engine.add_request("r", [5, 6, 7, 8], greedy(3))
+    engine.step()
+    assert list(phases.seconds) == list(PHASES)
+    assert all(seconds >= 0 for seconds in phases.seconds.values())
+    assert len(syncs) == 1 + len(PHASES)  # start, then every mark
+
+
+def test_measuring_phases_does_not_change_the_tokens(model_dir) -> None:
+    runs = []
+    for phases in (None, StepPhases()):
+        engine = make_engine(model_dir, "paged")
+        if phases is not None:
+            engine.measure_phases(phases)
+        reqs = [Req(f"r{i}", [5 + i, 6, 7, 8], greedy(6)) for i in range(3)]
+        drive(engine, reqs)
+        runs.append([r.tokens for r in reqs])
+    assert runs[0] == runs[1]
+
+
+def test_profile_reports_prefill_and_decode_per_batch_size(model_dir) -> None:
+    run = run_profile(model_dir, [1, 3], steps=2, warmup=1, dtype="float32", device="cpu")
+    assert [(r.kind, r.batch) for r in run.rows] == [
+        ("prefill", 1), ("decode", 1), ("prefill", 3), ("decode", 3)]
+    decode = [r for r in run.rows if r.kind == "decode"]
+    assert [r.tokens for r in decode] == [1, 3] and all(r.steps == 2 for r in decode)
+    assert run.rows[2].tokens == 3 * run.prompt_tokens  # three prompts in one prefill step
+    for row in run.rows:
+        assert set(row.phases_ms) == set(PHASES) and row.phases_ms["forward"] > 0
+        assert row.host_us_per_seq > 0 and row.device_busy_ms is None  # no CUDA here
+    assert run.device == "cpu" and run.dtype == "float32"
+
+
+def test_bench_profile_writes_its_table_and_json(model_dir, tmp_path, capsys) -> None:
+    code = bench_main(["profile", "--model-dir", str(model_dir), "--batch-sizes", "2",
+                       "--steps", "2", "--warmup", "0", "--dtype", "float32", "--device", "cpu",
+                       "--out", str(tmp_path)])
+    assert code == 0
+    assert "| decode | 2 | 2 |" in capsys.readouterr().out
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert [r["kind"] for r in data["rows"]] == ["prefill", "decode"]
+    assert "host us/seq" in (tmp_path / "profile.md").read_text()
+
+
+def test_bench_profile_refuses_bad_batch_sizes(capsys) -> None:
+    assert bench_main(["profile", "--batch-sizes", "0"]) == 2
+    assert "--batch-sizes" in capsys.readouterr().err
