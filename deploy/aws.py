@@ -103,7 +103,7 @@ class Aws:
         self._account: str | None = None
 
     def client(self, service: str, region: str | None = None, endpoint_url: str | None = None,
-               read_timeout: int = 60, allow_unsigned: bool = False) -> Any:
+               read_timeout: int = 60, *, allow_unsigned: bool = False) -> Any:
         """A cached boto3 client; allow_unsigned: no credentials → unsigned (a local container)."""
         region = region or self.region
         url = endpoint_url or self.endpoint_url

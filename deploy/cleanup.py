@@ -15,7 +15,7 @@ from deploy.waiting import Waiting, describe_endpoint, wait_gone
 logger = logging.getLogger(__name__)
 
 
-def delete(aws: Aws, name: str, waiting: Waiting, purge_artifacts: bool = False,
+def delete(aws: Aws, name: str, waiting: Waiting, *, purge_artifacts: bool = False,
            bucket: str | None = None) -> dict[str, Any]:
     """Remove what `create`/`switch` made for `name`; {"deleted": [...], "kept": [...]}."""
     check_name(name)

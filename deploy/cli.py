@@ -23,7 +23,7 @@ WAIT_MARGIN = 1200  # seconds for instance provisioning on top of download + sta
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    _log_to_stderr(args.verbose)
+    _log_to_stderr(verbose=args.verbose)
     try:
         return COMMANDS[args.command](args)
     except DeployError as err:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _log_to_stderr(verbose: bool) -> None:
+def _log_to_stderr(*, verbose: bool) -> None:
     """Progress and diagnostics of the deploy package go to stderr, whatever the root logger."""
     global _handler
     package = logging.getLogger("deploy")
@@ -145,7 +145,8 @@ def _create(args: argparse.Namespace) -> int:
 
     req = CreateRequest(args.name, args.image, args.role, args.properties, args.instance_type,
                         args.instance_count, args.model_dir, args.model_s3, args.bucket,
-                        args.startup_timeout, args.download_timeout, args.keep_on_failure)
+                        args.startup_timeout, args.download_timeout,
+                        keep_on_failure=args.keep_on_failure)
     result = create(_aws(args), req, _waiting(args))
     print(f"endpoint {result['endpoint']} is InService ({result['arn']})")
     print(f"  model data: {result['model_data']} (mounted at /opt/ml/model)")
@@ -205,8 +206,8 @@ def _autoscale(args: argparse.Namespace) -> int:
 def _delete(args: argparse.Namespace) -> int:
     from deploy.cleanup import delete
 
-    result = delete(_aws(args), args.name, _waiting(args, WAIT_MARGIN), args.purge_artifacts,
-                    args.bucket)
+    result = delete(_aws(args), args.name, _waiting(args, WAIT_MARGIN),
+                    purge_artifacts=args.purge_artifacts, bucket=args.bucket)
     if result["deleted"]:
         print(f"deleted: {'; '.join(result['deleted'])}")
     else:

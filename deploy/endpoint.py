@@ -1,4 +1,5 @@
-"""create and switch: model + endpoint config (+ endpoint), then wait for InService.
+"""create: model + endpoint config + endpoint, then wait for InService (switch.py reuses the
+naming and the container settings).
 
 Every resource is named "<name>-<release>" (release: UTC time to the millisecond) and tagged
 batchyard:endpoint=<name>, so `delete` finds all of them.
@@ -7,7 +8,7 @@ batchyard:endpoint=<name>, so `delete` finds all of them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ class CreateRequest:
     bucket: str | None = None
     startup_timeout: int = DEFAULT_TIMEOUT
     download_timeout: int = DEFAULT_TIMEOUT
-    keep_on_failure: bool = False
+    keep_on_failure: bool = field(default=False, kw_only=True)
 
 
 def new_release() -> str:
@@ -70,8 +71,43 @@ def variant_spec(model: str, instance_type: str, count: int, startup: int, downl
             "ModelDataDownloadTimeoutInSeconds": download}
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """What the checks of a CreateRequest produced."""
+
+    text: str  # serving.properties, uploaded unchanged
+    files: list[Path]  # from --model-dir
+    model_s3: str | None  # checked --model-s3, set as HF_MODEL_ID
+    bucket: str
+
+
+@dataclass(frozen=True)
+class _Release:
+    """This run's names: model and endpoint config <name>-<release>, data under its prefix."""
+
+    resource: str
+    bucket: str
+    prefix: str
+    tags: list[dict[str, str]]
+
+    @property
+    def data_uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
 def create(aws: Aws, req: CreateRequest, waiting: Waiting) -> dict[str, Any]:
     """Upload, create model + config + endpoint, wait; roll back what this run made on failure."""
+    inputs = _validate_create(aws, req)
+    release = _plan_release(req.name, inputs.bucket)
+    ledger = _create_resources(aws, req, inputs, release)
+    desc = _wait_in_service(aws, req, waiting, ledger)
+    return {"endpoint": req.name, "arn": desc.get("EndpointArn"), "model": release.resource,
+            "endpoint_config": release.resource, "model_data": release.data_uri,
+            "model_id": inputs.model_s3}
+
+
+def _validate_create(aws: Aws, req: CreateRequest) -> _Inputs:
+    """Every check that can fail before anything is created: local ones first, then AWS's."""
     check_name(req.name)
     check_timeout("--startup-timeout", req.startup_timeout)
     check_timeout("--download-timeout", req.download_timeout)
@@ -93,39 +129,36 @@ def create(aws: Aws, req: CreateRequest, waiting: Waiting) -> dict[str, Any]:
     check_role(aws, req.role)
     check_image(aws, req.image)
     model_s3 = check_model_s3(aws, req.model_s3) if req.model_s3 else None
-    bucket = resolve_bucket(aws, req.bucket)
+    return _Inputs(text, files, model_s3, resolve_bucket(aws, req.bucket))
 
+
+def _plan_release(name: str, bucket: str) -> _Release:
     release = new_release()
-    prefix = release_prefix(req.name, release)
-    data_uri = f"s3://{bucket}/{prefix}"
-    resource = f"{req.name}-{release}"
-    tags = make_tags(req.name, release)
+    return _Release(f"{name}-{release}", bucket, release_prefix(name, release),
+                    make_tags(name, release))
+
+
+def _create_resources(aws: Aws, req: CreateRequest, inputs: _Inputs, release: _Release) -> Ledger:
+    """Upload, then model, endpoint config, endpoint; what this run made is in the ledger."""
     sm = aws.client("sagemaker")
     ledger = Ledger()
     try:
-        uploaded = Uploaded(bucket)
-        ledger.add(f"the S3 objects under {data_uri}", lambda: uploaded.delete(aws))
-        uploaded.put_text(aws, prefix + "serving.properties", text)
-        for path in files:
-            uploaded.put_file(aws, prefix + path.name, path)
-        container: dict[str, Any] = {
-            "Image": req.image,
-            "ModelDataSource": {"S3DataSource": {"S3Uri": data_uri, "S3DataType": "S3Prefix",
-                                                 "CompressionType": "None"}},
-            "Environment": {MODEL_ID_ENV: model_s3} if model_s3 else {},
-        }
-        with aws_errors(f"creating model {resource}"):
-            sm.create_model(ModelName=resource, ExecutionRoleArn=req.role,
-                            PrimaryContainer=container, Tags=tags)
-        ledger.add(f"model {resource}", lambda: delete_model(aws, resource))
-        variant = variant_spec(resource, req.instance_type, req.instance_count,
+        _upload(aws, ledger, inputs, release)
+        container = _container(req.image, release, inputs.model_s3)
+        with aws_errors(f"creating model {release.resource}"):
+            sm.create_model(ModelName=release.resource, ExecutionRoleArn=req.role,
+                            PrimaryContainer=container, Tags=release.tags)
+        ledger.add(f"model {release.resource}", lambda: delete_model(aws, release.resource))
+        variant = variant_spec(release.resource, req.instance_type, req.instance_count,
                                req.startup_timeout, req.download_timeout)
-        with aws_errors(f"creating endpoint config {resource}"):
-            sm.create_endpoint_config(EndpointConfigName=resource, ProductionVariants=[variant],
-                                      Tags=tags)
-        ledger.add(f"endpoint config {resource}", lambda: delete_config(aws, resource))
+        with aws_errors(f"creating endpoint config {release.resource}"):
+            sm.create_endpoint_config(EndpointConfigName=release.resource,
+                                      ProductionVariants=[variant], Tags=release.tags)
+        ledger.add(f"endpoint config {release.resource}",
+                   lambda: delete_config(aws, release.resource))
         with aws_errors(f"creating endpoint {req.name}"):
-            sm.create_endpoint(EndpointName=req.name, EndpointConfigName=resource, Tags=tags)
+            sm.create_endpoint(EndpointName=req.name, EndpointConfigName=release.resource,
+                               Tags=release.tags)
         ledger.add(f"endpoint {req.name}", lambda: delete_endpoint(aws, req.name))
     except BaseException as err:
         summary = ledger.describe_rollback(req.name)
@@ -134,7 +167,31 @@ def create(aws: Aws, req: CreateRequest, waiting: Waiting) -> dict[str, Any]:
         logger.error("%s", summary)
         raise
     logger.info("created model, endpoint config %s and endpoint %s; waiting for InService",
-                resource, req.name)
+                release.resource, req.name)
+    return ledger
+
+
+def _upload(aws: Aws, ledger: Ledger, inputs: _Inputs, release: _Release) -> None:
+    """serving.properties, then the model files; registered first so a partial upload goes too."""
+    uploaded = Uploaded(release.bucket)
+    ledger.add(f"the S3 objects under {release.data_uri}", lambda: uploaded.delete(aws))
+    uploaded.put_text(aws, release.prefix + "serving.properties", inputs.text)
+    for path in inputs.files:
+        uploaded.put_file(aws, release.prefix + path.name, path)
+
+
+def _container(image: str, release: _Release, model_s3: str | None) -> dict[str, Any]:
+    return {
+        "Image": image,
+        "ModelDataSource": {"S3DataSource": {"S3Uri": release.data_uri, "S3DataType": "S3Prefix",
+                                             "CompressionType": "None"}},
+        "Environment": {MODEL_ID_ENV: model_s3} if model_s3 else {},
+    }
+
+
+def _wait_in_service(aws: Aws, req: CreateRequest, waiting: Waiting, ledger: Ledger
+                     ) -> dict[str, Any]:
+    """describe_endpoint once InService; a failed endpoint is rolled back unless kept."""
     desc, result = wait_for(aws, req.name, waiting, _created)
     if result == "timeout":
         raise DeployError(f"endpoint {req.name} is still {desc['EndpointStatus']} after "
@@ -149,8 +206,7 @@ def create(aws: Aws, req: CreateRequest, waiting: Waiting) -> dict[str, Any]:
                               f"{req.name} --purge-artifacts`)")
         raise DeployError(f"endpoint {req.name} is {desc['EndpointStatus']}: {reason}; "
                           f"{ledger.describe_rollback(req.name)}")
-    return {"endpoint": req.name, "arn": desc.get("EndpointArn"), "model": resource,
-            "endpoint_config": resource, "model_data": data_uri, "model_id": model_s3}
+    return desc
 
 
 def _created(desc: dict[str, Any]) -> str | None:

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 READ_TIMEOUT = 70  # SageMaker answers within 60 s; clients should wait a little longer
 
 
-def request_body(prompt: str, parameters: str | None, stream: bool) -> bytes:
+def request_body(prompt: str, parameters: str | None, *, stream: bool) -> bytes:
     body: dict[str, Any] = {"inputs": prompt}
     if parameters:
         try:
@@ -40,7 +40,7 @@ def invoke(aws: Aws, name: str, prompt: str, parameters: str | None = None,
     try:
         response = runtime.invoke_endpoint(EndpointName=name, ContentType="application/json",
                                            Accept="application/json",
-                                           Body=request_body(prompt, parameters, False))
+                                           Body=request_body(prompt, parameters, stream=False))
     except ClientError as err:
         raise _model_error(err, name) from err
     raw = response["Body"].read().decode("utf-8", errors="replace")
@@ -65,7 +65,7 @@ def invoke_stream(aws: Aws, name: str, prompt: str, parameters: str | None = Non
     try:
         response = runtime.invoke_endpoint_with_response_stream(
             EndpointName=name, ContentType="application/json", Accept="application/jsonlines",
-            Body=request_body(prompt, parameters, True))
+            Body=request_body(prompt, parameters, stream=True))
         return print_tokens(response["Body"], write)
     except ClientError as err:
         raise _model_error(err, name) from err
