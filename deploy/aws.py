@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 ENDPOINT_URL_ENV = "BATCHYARD_AWS_ENDPOINT_URL"
 TAG_ENDPOINT = "batchyard:endpoint"  # on every model, endpoint config and endpoint we create
 TAG_RELEASE = "batchyard:release"
-IAM_HINT = "the caller needs the IAM permissions listed in the README ('Deploying to SageMaker')"
+IAM_HINT = "the caller needs the IAM permissions listed in docs/deploy.md ('IAM permissions')"
 _BAD_CREDENTIALS = {"ExpiredToken", "ExpiredTokenException", "InvalidClientTokenId",
                     "UnrecognizedClientException", "SignatureDoesNotMatch", "InvalidAccessKeyId"}
 

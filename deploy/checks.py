@@ -107,7 +107,7 @@ def check_image(aws: Aws, uri: str) -> Image:
     except ClientError as err:
         if error_code(err) in {"RepositoryNotFoundException", "ImageNotFoundException"}:
             raise DeployError(f"--image {uri}: not in ECR ({error_code(err)}); push it first "
-                              "(see the README, 'Deploying to SageMaker')") from err
+                              "(see docs/deploy.md, 'Push the image to ECR')") from err
         if not is_access_denied(err):
             raise translate(err, f"looking up image {uri} in ECR") from err
         logger.warning("cannot check that image %s exists (no ecr:DescribeImages); a missing "

@@ -6,7 +6,7 @@
  * in cache, and at 5 rows the stream ran at about half the memory's bandwidth. Here each thread
  * walks its tiles in memory order and, while it computes one tile, prefetches the next, spread
  * over the passes it makes over the current one, so both go on at once: the same 25 rows take
- * 42-55 ms, 5 rows 25-30 ms (README, How it works, gives the measurements).
+ * 42-55 ms, 5 rows 25-30 ms (docs/architecture.md, "CPU: matmuls", gives the measurements).
  *
  * Packed layout: tile t holds output columns 16t .. 16t+15 as [K][16] (zero-padded past N).
  * Threads take blocks of tiles (one with AVX2, two with AVX-512: below), each computed in passes
@@ -25,7 +25,7 @@
 /* A block is two tiles, one 16-float vector of each per row, so each broadcast input feeds two
  * FMAs. 8 rows (16 accumulators): at 24-32 rows, 4 passes with the next block's prefetch spread
  * over all of them ran a decode step's matmuls in 31-35 ms, against 30-38 ms with 12-row passes
- * (README, How it works). */
+ * (docs/architecture.md, "CPU: matmuls"). */
 typedef float vec __attribute__((vector_size(64)));
 #define BLOCK_TILES 2
 #define MAX_ROWS 8
