@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmark.workloads import LMI_WORKLOAD
 from engine.phases import PHASES, NoPhases, StepPhases
 
 
@@ -71,7 +72,7 @@ class ProfileRun:
 
 def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup: int = 3,
                 strategy: str = "paged", dtype: str = "auto", device: str = "auto",
-                prompt: str = "Write a program to add two numbers in python") -> ProfileRun:
+                prompt: str = LMI_WORKLOAD[1].prompt) -> ProfileRun:
     """Profile prefill and decode steps at each batch size on one engine."""
     from transformers import AutoTokenizer
 
@@ -81,9 +82,11 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
     prompt_ids = AutoTokenizer.from_pretrained(model_dir, local_files_only=True).encode(prompt)
     # Whole blocks per sequence, so the pool (max_num_seqs x max_model_len tokens) holds
     # every sequence at once: no preemption distorts the figures.
-    max_model_len = -(-(len(prompt_ids) + new_tokens + 1) // 16) * 16
+    block_size = 16
+    max_model_len = -(-(len(prompt_ids) + new_tokens + 1) // block_size) * block_size
     config = EngineConfig(model=str(model_dir), batching=strategy, dtype=dtype, device=device,
-                          max_num_seqs=max(batch_sizes), max_model_len=max_model_len)
+                          max_num_seqs=max(batch_sizes), max_model_len=max_model_len,
+                          block_size=block_size)
     engine = LLMEngine.from_config(config)
     rows: list[StepProfile] = []
     for batch in batch_sizes:

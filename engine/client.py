@@ -42,10 +42,6 @@ class EngineClient:
         """Stop accepting, let in-flight requests finish within the grace period, abort the rest."""
         self._loop.shutdown(grace_seconds)
 
-    @property
-    def max_model_len(self) -> int:
-        return self._engine.max_model_len
-
     # --- text ---
 
     def encode(self, text: str) -> list[int]:

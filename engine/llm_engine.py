@@ -117,8 +117,8 @@ class LLMEngine:
         assert request_id not in self._ids, f"duplicate request id {request_id}"
         params = request.params
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(self._next_seq_id, list(request.prompt_token_ids), params,
-                       self.eos_token_ids, seed)
+        seq = Sequence(self._next_seq_id, request.prompt_token_ids, params, self.eos_token_ids,
+                       seed)
         self._next_seq_id += 1
         text = IncrementalText(self.tokenizer.backend_tokenizer, params.stop)
         self._requests[seq.seq_id] = _Request(request_id, seq, text)

@@ -32,7 +32,7 @@ class Sequence:
     def __init__(
         self,
         seq_id: int,
-        prompt_token_ids: list[int],
+        prompt_token_ids: list[int] | tuple[int, ...],
         params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
         sampling_seed: int = 0,
