@@ -42,6 +42,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # auto: packed CPU matmuls (tiled kernel, then oneDNN), else aten; see LINEAR_BACKENDS.
     linear_backend: str = "auto"
+    # Run every step eagerly: no CUDA graphs for decode (the vLLM / LMI key).
+    enforce_eager: bool = False
     seed: int = 0
     trust_remote_code: bool = False
 

@@ -34,13 +34,14 @@ ENGINE_KEYS = {
     "trust_remote_code", "paged_attention", "block_size", "enable_chunked_prefill",
     "enable_prefix_caching", "gpu_memory_utilization", "num_kv_blocks", "kv_cache_memory",
     "device", "max_request_size", "seed", "attention_backend", "linear_backend",
+    "enforce_eager",
 } | ROLLING_KEYS
 # LMI keys that mean nothing to this server: accepted, logged, ignored.
 IGNORED_KEYS = {
     "engine", "option.entryPoint", "option.task", "option.model_loading_timeout",
     "option.output_formatter", "option.revision", "option.enable_streaming", "option.mpi_mode",
     "option.async_mode", "option.device_map", "option.parallel_loading", "option.quantize",
-    "option.enforce_eager", "minWorkers", "maxWorkers", "max_idle_time", "load_on_devices",
+    "minWorkers", "maxWorkers", "max_idle_time", "load_on_devices",
 }
 # TGI / SageMaker variable → LMI variable it stands for (used only when that one is unset).
 ENV_ALIASES = {

@@ -177,6 +177,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
             attention_backend=r.choice("option.attention_backend", "auto",
                                        set(ATTENTION_BACKENDS)),
             linear_backend=r.choice("option.linear_backend", "auto", set(LINEAR_BACKENDS)),
+            enforce_eager=r.flag("option.enforce_eager", False),
             seed=r.integer("option.seed", 0, 0),
             trust_remote_code=r.flag("option.trust_remote_code", False))
     except ValueError as err:
