@@ -78,7 +78,7 @@ class LLMEngine:
         if hasattr(model, "use_fused_cpu_ops"):
             ops = fused_ops_for(model, dtype, runner.attention.name)
             model.use_fused_cpu_ops(ops)
-            runner.greedy = ops.greedy if ops is not None else None
+            runner.sampler.greedy = ops.greedy if ops is not None else None
         eos = eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
                     device, dtype, config.batching, max_model_len)

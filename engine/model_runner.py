@@ -1,4 +1,9 @@
-"""ModelRunner: the only place that builds device tensors. Batch in, sampled tokens out."""
+"""ModelRunner: the only place that builds device tensors. Batch in, sampled tokens out.
+
+A step crosses between host and device twice: one upload of everything the host decided
+(engine/step_buffer.py) and one download of the sampled tokens (engine/sampler.py). Masks and
+aranges are derived on the device from the uploaded integers.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +22,9 @@ from engine.attention.reference import (
 from engine.models.spec import ModelSpec
 from engine.outputs import SampledToken
 from engine.phases import NoPhases, StepPhases
-from engine.sampler import GreedyKernel, sample
+from engine.sampler import Sampler
 from engine.scheduler.base import ScheduledBatch
+from engine.step_buffer import StepBuffer
 
 
 class ModelRunner:
@@ -33,7 +39,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.page_size = page_size_for(block_size)
-        self.greedy: GreedyKernel | None = None  # a faster argmax + logprob (CPU kernels)
+        self.sampler = Sampler()  # LLMEngine gives it the CPU greedy kernel where it fits
+        self.buffer = StepBuffer(device)
         self.phases: StepPhases | NoPhases = NoPhases()  # LLMEngine.measure_phases sets it
         # [layers, 2, num_blocks * block_size, num_kv_heads, head_dim]; zeroed so padding is finite
         self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads,
@@ -46,78 +53,119 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
         """Forward the batch's scheduled tokens; sample for sequences that caught up."""
-        input_ids, positions, meta, last_rows = self._prepare(batch)
+        views, meta, sampled, plan = self._prepare(batch)
         self.phases.mark("prepare")
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [num_tokens, hidden]
-        sampled = [i for i in range(len(batch.seqs)) if batch.is_sampled(i)]
+        # [num_tokens, hidden]
+        hidden = self.model(views["ids"], views["positions"], meta, self.kv_cache)
         out: list[SampledToken | None] = [None] * len(batch.seqs)
         if not sampled:
             self.phases.mark("forward")
             return out
-        rows = torch.tensor([last_rows[i] for i in sampled], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S, vocab] float32
-        self.phases.mark("forward")
-        for i, token in zip(sampled, sample(logits, [batch.seqs[i] for i in sampled],
-                                            self.greedy), strict=True):
+        logits = self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+        self.phases.mark("forward")  # [S, vocab] float32
+        for i, token in zip(sampled, self.sampler(logits, plan, views), strict=True):
             out[i] = token
         self.phases.mark("sample")
         return out
 
+    def attention_metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
+        """What attention sees for `batch` (start-up checks and tests drive backends with it)."""
+        return self._prepare(batch)[1]
+
     def _prepare(self, batch: ScheduledBatch):
+        """Pack the step on the host, upload it once, and describe it for attention."""
+        buffer, bs = self.buffer, self.block_size
+        buffer.reset()
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_rows: list[int] = []
-        decode_rows: list[int] = []
-        decode_seqs = []
-        prefills = []
-        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            row = len(ids)
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += self._slots(seq.block_table, start, end)
-            last_rows.append(row + n - 1)
+        decodes: list[tuple[int, list[int], int]] = []  # (packed row, block table, context)
+        prefills: list[tuple[int, int, list[int], int]] = []  # (row, tokens, table, context)
+        sample_rows: list[int] = []
+        sampled: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens, strict=True)):
+            start, table, row = seq.num_computed_tokens, seq.block_table, len(ids)
+            end = start + n
             if n == 1:
-                decode_rows.append(row)
-                decode_seqs.append((seq.block_table, end))
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decodes.append((row, table, end))
             else:
-                prefills.append(self._prefill_row(seq.block_table, row, n, end))
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), page_size=self.page_size,
-            decode_token_idx=self._tensor(decode_rows) if decode_rows else None,
-            **self._decode_gather(decode_seqs), prefills=tuple(prefills), backend=self.attention,
-            decode_context_lens=tuple(context for _, context in decode_seqs))
-        meta = replace(meta, backend_state=self.attention.prepare(meta))
-        return self._tensor(ids), self._tensor(positions), meta, last_rows
-
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+                ids += seq.token_ids[start:end]
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+                prefills.append((row, n, table, end))
+            if end == seq.num_tokens:  # caught up: its next token is sampled
+                sample_rows.append(row + n - 1)
+                sampled.append(i)
+        buffer.put("ids", ids)
+        buffer.put("positions", positions)
+        buffer.put("slots", slots)
+        buffer.put("sample_rows", sample_rows)
+        self._stage_decodes(decodes)
+        page_spans = self._stage_prefill_pages(prefills)
+        plan = self.sampler.stage([batch.seqs[i] for i in sampled], buffer) if sampled else None
+        views = buffer.upload()
+        meta = self._metadata(views, decodes, prefills, page_spans)
+        return views, meta, sampled, plan
 
     def _pages(self, block_table: list[int], context: int) -> list[int]:
         """Pages holding positions 0..context-1 (a page is page_size consecutive slots)."""
+        num_pages = -(-context // self.page_size)
         per_block = self.block_size // self.page_size
-        return [block_table[j // per_block] * per_block + j % per_block
-                for j in range(-(-context // self.page_size))]
+        if per_block == 1:
+            return block_table[:num_pages]
+        return [block_table[j // per_block] * per_block + j % per_block for j in range(num_pages)]
 
-    def _prefill_row(self, block_table: list[int], row: int, n: int, context: int) -> PrefillRow:
-        return PrefillRow(row, n, context, self._tensor(self._pages(block_table, context)),
-                          causal_mask(n, context, self.spec.sliding_window, self.device))
-
-    def _decode_gather(self, decode_seqs: list[tuple[list[int], int]]) -> dict:
-        """Padded page indices and visibility mask for the single-query rows."""
-        if not decode_seqs:
-            return {"decode_pages": None, "decode_mask": None}
-        pages = [self._pages(table, ctx) for table, ctx in decode_seqs]
+    def _stage_decodes(self, decodes: list[tuple[int, list[int], int]]) -> None:
+        if not decodes:
+            return
+        contexts = [ctx for _, _, ctx in decodes]
+        pages = [self._pages(table, ctx) for _, table, ctx in decodes]
         width = max(len(p) for p in pages)
-        padded = self._tensor([p + [0] * (width - len(p)) for p in pages])  # [B, max_pages]
-        pos = torch.arange(width * self.page_size, device=self.device)  # [T]
-        ctx = self._tensor([c for _, c in decode_seqs]).unsqueeze(1)  # [B, 1]
-        visible = pos.unsqueeze(0) < ctx  # [B, T]
-        if self.spec.sliding_window is not None:
-            visible &= pos.unsqueeze(0) > ctx - 1 - self.spec.sliding_window
-        return {"decode_pages": padded, "decode_mask": visible[:, None, None, :]}
+        window = self.spec.sliding_window
+        buffer = self.buffer
+        buffer.put("decode_rows", [row for row, _, _ in decodes])
+        buffer.put("decode_ctx", contexts)
+        buffer.put("decode_lo", [0] * len(contexts) if window is None else
+                   [max(0, ctx - window) for ctx in contexts])
+        buffer.put("decode_order", sorted(range(len(contexts)), key=contexts.__getitem__))
+        buffer.put("decode_pages", [p + [0] * (width - len(p)) for p in pages],
+                   shape=(len(pages), width))
 
-    def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+    def _stage_prefill_pages(self, prefills: list[tuple[int, int, list[int], int]]
+                             ) -> list[tuple[int, int]]:
+        """All prefill rows' pages in one section; returns each row's (start, end) in it."""
+        flat: list[int] = []
+        spans = []
+        for _, _, table, ctx in prefills:
+            pages = self._pages(table, ctx)
+            spans.append((len(flat), len(flat) + len(pages)))
+            flat += pages
+        if prefills:
+            self.buffer.put("prefill_pages", flat)
+        return spans
+
+    def _metadata(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
+                  page_spans: list[tuple[int, int]]) -> AttentionMetadata:
+        rows = tuple(
+            PrefillRow(row, n, ctx, views["prefill_pages"][a:b],
+                       causal_mask(n, ctx, self.spec.sliding_window, self.device))
+            for (row, n, _, ctx), (a, b) in zip(prefills, page_spans, strict=True))
+        decode: dict = {"decode_token_idx": None, "decode_pages": None, "decode_mask": None}
+        if decodes:
+            pages = views["decode_pages"]  # [B, max_pages]
+            pos = torch.arange(pages.shape[1] * self.page_size, device=self.device)  # [T]
+            ctx, lo = views["decode_ctx"][:, None], views["decode_lo"][:, None]  # [B, 1]
+            visible = (pos < ctx) & (pos >= lo)  # [B, T]
+            decode = {"decode_token_idx": views["decode_rows"], "decode_pages": pages,
+                      "decode_mask": visible[:, None, None, :],
+                      "decode_context_lens": tuple(c for _, _, c in decodes),
+                      "decode_ctx": views["decode_ctx"], "decode_lo": views["decode_lo"],
+                      "decode_order": views["decode_order"]}
+        meta = AttentionMetadata(
+            slot_mapping=views["slots"], page_size=self.page_size, prefills=rows,
+            backend=self.attention, **decode)
+        return replace(meta, backend_state=self.attention.prepare(meta))
+

@@ -1,104 +1,194 @@
-"""Batched sampling with per-sequence parameters; greedy rows take one argmax."""
+"""Batched sampling: each row's parameters as tensors, one pass for the batch, one host copy.
+
+The host stages what it knows before the logits exist (stage: temperatures, top-k/top-p,
+penalties, the EOS mask, a uniform draw per row); the device then runs the whole batch through
+the same ops and packs ids, log-probabilities and alternatives into one tensor, copied to the
+host once. No row loops, no `.item()`: nothing on the device waits for the host mid-step.
+
+Processors run in transformers' order (repetition penalty, min-new-tokens EOS mask, then
+temperature, top-k, top-p), so greedy rows equal `generate` exactly. A sampled row draws by
+inverse CDF with one uniform number derived from (its seed, its output length) alone, so a
+seeded request gives the same tokens whatever batch it runs in.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.outputs import SampledToken
 from engine.sequence import Sequence
+from engine.step_buffer import StepBuffer
 
-# logits [S, vocab] → (argmax ids, their log-probabilities), or None where it cannot tell
-GreedyKernel = Callable[[torch.Tensor], tuple[list[int], list[float]] | None]
+# logits [S, vocab] float32 → [S, 2] float64 (argmax id, its log-probability; NaN where the
+# kernel cannot tell, e.g. a row holding NaN): a faster greedy path (the CPU C kernel)
+GreedyKernel = Callable[[torch.Tensor], torch.Tensor]
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's seed space
-
-
-def sample(logits: torch.Tensor, seqs: list[Sequence],
-           greedy: GreedyKernel | None = None) -> list[SampledToken]:
-    """logits [S, vocab] float32, one row per sequence → one sampled token per row.
-
-    Processors run in transformers' order: repetition penalty, min-new-tokens EOS mask, then
-    temperature, top-k and top-p before drawing, so greedy rows equal `generate` exactly.
-    A batch of plain greedy rows (no processor, no top_logprobs) goes to `greedy` when given:
-    the same argmax, the log-probability to float rounding.
-    """
-    if greedy is not None and all(_plain_greedy(seq) for seq in seqs):
-        picked = greedy(logits)
-        if picked is not None:
-            return [SampledToken(token, lp, ()) for token, lp in zip(*picked, strict=True)]
-    logprobs = torch.log_softmax(logits, dim=-1)  # [S, vocab] of the raw model distribution
-    processed = _apply_penalties(logits, seqs)
-    chosen = processed.argmax(dim=-1)  # [S]
-    for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            chosen[i] = _draw(processed[i], seq, int(chosen[i]))
-    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    top = _top_logprobs(logprobs, seqs)
-    return [SampledToken(token, lp, alternatives)
-            for token, lp, alternatives in zip(chosen.tolist(), picked, top, strict=True)]
+_MASK64 = (1 << 64) - 1
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's input space
 
 
-def _top_logprobs(logprobs: torch.Tensor, seqs: list[Sequence]) -> list[tuple]:
-    """The k most likely (token id, log-probability) pairs of each row that asked for them."""
-    k = max(seq.params.top_logprobs for seq in seqs)
-    if k == 0:
-        return [()] * len(seqs)
-    values, ids = logprobs.topk(k, dim=-1)  # [S, k]
-    return [tuple(zip(ids[i, :n].tolist(), values[i, :n].tolist(), strict=True))
-            for i, n in enumerate(seq.params.top_logprobs for seq in seqs)]
+@dataclass(frozen=True)
+class SamplingPlan:
+    """What the host knows about a step's sampled rows; decides which ops run at all."""
+
+    top_logprobs: tuple[int, ...]  # alternatives each row asked for
+    plain_greedy: bool  # every row: argmax of the raw logits, no processor
+    any_sampled: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_penalty: bool
+    any_eos_mask: bool
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    out = logits
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        min_tokens_active = _min_tokens_active(seq)
-        if p.repetition_penalty == 1.0 and not min_tokens_active:
-            continue
-        if out is logits:
-            out = logits.clone()
-        row = out[i]
-        if p.repetition_penalty != 1.0:
-            ids = torch.tensor(seq.token_ids, device=row.device).unique()
-            scores = row[ids]
-            row[ids] = torch.where(scores < 0, scores * p.repetition_penalty,
-                                   scores / p.repetition_penalty)
-        if min_tokens_active:
-            row[list(seq.eos_token_ids)] = float("-inf")
-    return out
+class Sampler:
+    """stage() on the host before the step's upload; __call__ on the logits after forward."""
+
+    def __init__(self, greedy: GreedyKernel | None = None) -> None:
+        self.greedy = greedy
+
+    def stage(self, seqs: list[Sequence], buffer: StepBuffer) -> SamplingPlan:
+        """Write the rows' parameters into `buffer` (sections s_*); nothing for plain greedy."""
+        params = [seq.params for seq in seqs]
+        eos_masked = [_eos_masked(seq) for seq in seqs]
+        plan = SamplingPlan(
+            top_logprobs=tuple(p.top_logprobs for p in params),
+            plain_greedy=all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+            and not any(eos_masked),
+            any_sampled=any(not p.greedy for p in params),
+            any_top_k=any(not p.greedy and p.top_k > 0 for p in params),
+            any_top_p=any(not p.greedy and p.top_p < 1.0 for p in params),
+            any_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            any_eos_mask=any(eos_masked))
+        if plan.plain_greedy:
+            return plan
+        buffer.put("s_ints", [[int(p.greedy) for p in params], eos_masked,
+                              [p.top_k for p in params]], shape=(3, len(seqs)))
+        buffer.put_floats("s_floats", [
+            [1.0 if p.greedy else p.temperature for p in params],
+            [p.top_p for p in params], [p.repetition_penalty for p in params],
+            [0.0 if seq.params.greedy else _uniform(seq.sampling_seed, seq.num_output_tokens)
+             for seq in seqs]], shape=(4, len(seqs)))
+        if plan.any_penalty:
+            rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+            buffer.put("s_penalty_rows", [i for i in rows for _ in seqs[i].token_ids])
+            buffer.put("s_penalty_tokens", [t for i in rows for t in seqs[i].token_ids])
+        if plan.any_eos_mask:
+            buffer.put("s_eos_ids", sorted(set().union(*(s.eos_token_ids for s in seqs))))
+        return plan
+
+    def __call__(self, logits: torch.Tensor, plan: SamplingPlan,
+                 views: dict[str, torch.Tensor]) -> list[SampledToken]:
+        """logits [S, vocab] float32 → one token per row, through one device-to-host copy."""
+        if plan.plain_greedy and self.greedy is not None and max(plan.top_logprobs) == 0:
+            host = self.greedy(logits).numpy()
+            if not np.isnan(host[:, 1]).any():
+                return unpack(host, plan)
+        return unpack(sample(logits, plan, views).cpu().numpy(), plan)
 
 
-def _min_tokens_active(seq: Sequence) -> bool:
+def sample(logits: torch.Tensor, plan: SamplingPlan,
+           views: dict[str, torch.Tensor]) -> torch.Tensor:
+    """logits [S, vocab] float32 → [S, 2 + 2k] float64: chosen id, its log-probability under
+    the raw model distribution, then k alternative ids and their log-probabilities."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # [S, vocab]
+    if plan.plain_greedy:
+        chosen = logits.argmax(dim=-1)  # [S]
+    else:
+        greedy_row, eos_masked, top_k = views["s_ints"]
+        temperature, top_p, penalty, uniform = views["s_floats"].float()
+        scores = _penalised(logits, plan, views, penalty, eos_masked)
+        chosen = scores.argmax(dim=-1)
+        if plan.any_sampled:
+            drawn = _draw(scores / temperature[:, None], plan, top_k, top_p, uniform, chosen)
+            chosen = torch.where(greedy_row.bool(), chosen, drawn)
+    columns = [chosen[:, None], logprobs.gather(1, chosen[:, None])]
+    k = max(plan.top_logprobs)
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)  # [S, k]
+        columns += [ids, values]
+    return torch.cat([c.double() for c in columns], dim=1)
+
+
+def unpack(host: np.ndarray, plan: SamplingPlan) -> list[SampledToken]:
+    """The packed [S, 2 + 2k] rows on the host → one SampledToken per row."""
+    ids, picked = host[:, 0].astype(np.int64).tolist(), host[:, 1].tolist()
+    k = (host.shape[1] - 2) // 2
+    alt_ids, alt_values = host[:, 2:2 + k].astype(np.int64), host[:, 2 + k:]
+    return [SampledToken(ids[i], picked[i], tuple(zip(alt_ids[i, :n].tolist(),
+                                                      alt_values[i, :n].tolist(), strict=True)))
+            for i, n in enumerate(plan.top_logprobs)]
+
+
+def _penalised(logits: torch.Tensor, plan: SamplingPlan, views: dict[str, torch.Tensor],
+               penalty: torch.Tensor, eos_masked: torch.Tensor) -> torch.Tensor:
+    """Repetition penalty over each row's prompt + output tokens, then the EOS mask."""
+    scores = logits
+    if plan.any_penalty:
+        seen = torch.zeros_like(logits, dtype=torch.bool)  # [S, vocab]
+        seen[views["s_penalty_rows"], views["s_penalty_tokens"]] = True
+        p = penalty[:, None]
+        scores = torch.where(seen, torch.where(scores < 0, scores * p, scores / p), scores)
+    if plan.any_eos_mask:
+        eos = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)  # [vocab]
+        eos[views["s_eos_ids"]] = True
+        scores = scores.masked_fill(eos_masked.bool()[:, None] & eos, float("-inf"))
+    return scores
+
+
+def _draw(scores: torch.Tensor, plan: SamplingPlan, top_k: torch.Tensor, top_p: torch.Tensor,
+          uniform: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """scores [S, vocab] already divided by temperature → one drawn id per row; a row whose
+    distribution is degenerate (NaN, all masked) keeps `fallback` instead of failing the batch.
+
+    Rows with top-k or top-p draw in sorted order, the others in vocabulary order, whatever
+    their neighbours ask for: a row's token depends on its own parameters and seed only."""
+    drawn, ok = _inverse_cdf(scores, uniform)
+    if plan.any_top_k or plan.any_top_p:
+        vocab = scores.shape[1]
+        # Ascending, as transformers' top-p sorts; top-k then keeps ties with the k-th largest.
+        ranked, order = scores.sort(dim=-1)
+        if plan.any_top_k:
+            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+            kth = ranked.gather(1, (vocab - k)[:, None])  # [S, 1]
+            ranked = ranked.masked_fill(ranked < kth, float("-inf"))
+        if plan.any_top_p:
+            cumulative = ranked.softmax(dim=-1).cumsum(dim=-1)
+            remove = cumulative <= (1 - top_p)[:, None]
+            remove[:, -1] = False  # always keep the most likely token
+            ranked = ranked.masked_fill(remove, float("-inf"))
+        at, ranked_ok = _inverse_cdf(ranked, uniform)
+        filtered = (top_k > 0) | (top_p < 1)
+        drawn = torch.where(filtered, order.gather(1, at[:, None]).squeeze(1), drawn)
+        ok = torch.where(filtered, ranked_ok, ok)
+    return torch.where(ok, drawn, fallback)
+
+
+def _inverse_cdf(scores: torch.Tensor, uniform: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the index where the cumulative softmax of `scores` [S, n] passes `uniform` [S];
+    and whether that index has a positive probability (False for NaN or all-masked rows)."""
+    probs = scores.softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)  # [S, n]
+    at = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
+    at = at.clamp_(max=scores.shape[1] - 1)  # [S, 1]
+    return at.squeeze(1), probs.gather(1, at).squeeze(1) > 0
+
+
+def _eos_masked(seq: Sequence) -> bool:
     """EOS is still masked: fewer than min_new_tokens generated (and EOS not ignored)."""
     p = seq.params
     return bool(not p.ignore_eos and seq.num_output_tokens < p.min_new_tokens
                 and seq.eos_token_ids)
 
 
-def _plain_greedy(seq: Sequence) -> bool:
-    p = seq.params
-    return (p.greedy and p.repetition_penalty == 1.0 and p.top_logprobs == 0
-            and not _min_tokens_active(seq))
-
-
-def _draw(row: torch.Tensor, seq: Sequence, greedy_choice: int) -> int:
-    """One seeded draw from temperature / top-k / top-p of one row ([vocab] float32)."""
-    p = seq.params
-    row = row / p.temperature
-    if 0 < p.top_k < row.numel():
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(row)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative <= 1 - p.top_p
-        remove[-1] = False  # always keep the most likely token
-        row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    probs = row.softmax(-1)
-    if not torch.isfinite(probs).all():  # degenerate logits: never fail the whole batch
-        return greedy_choice
-    generator = torch.Generator(device=row.device)
-    generator.manual_seed((seq.sampling_seed * _SEED_MIX + seq.num_output_tokens) % 2**63)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _uniform(seed: int, counter: int) -> float:
+    """A uniform number in [0, 1) from (seed, counter) alone: splitmix64's finaliser, 24 bits so
+    float32 holds it exactly."""
+    z = (seed * _SEED_MIX + counter + _SEED_MIX) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 40) / float(1 << 24)

@@ -62,7 +62,7 @@ def prepare(block_size: int, window: int | None, shapes: list[tuple[int, int]], 
                                                              - len(table))]
         seqs.append(seq)
     batch = ScheduledBatch(tuple(seqs), tuple(n for _, n in shapes))
-    return runner._prepare(batch)[2]
+    return runner.attention_metadata(batch)
 
 
 def random_pool(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,9 +10,10 @@ import engine.kernels as kernels
 from engine.attention.reference import store_kv
 from engine.models.cpu_fused import FusedCpuOps, fused_ops_for
 from engine.models.layers import RMSNorm, apply_rope
-from engine.sampler import sample
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.step_buffer import StepBuffer
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 
@@ -54,12 +55,12 @@ def test_on_only_with_the_cpu_kernel_backend_in_float32(tmp_path) -> None:
     runner = make_engine(build_tiny_model(tmp_path), "paged").runner
     model = runner.model
     assert all(layer.fused is not None for layer in model.layers)
-    assert runner.greedy is not None
+    assert runner.sampler.greedy is not None
     assert fused_ops_for(model, torch.bfloat16, "cpu_paged") is None
     assert fused_ops_for(model, torch.float32, "reference") is None
     reference = make_engine(tmp_path, "paged", attention_backend="reference").runner
     assert all(layer.fused is None for layer in reference.model.layers)
-    assert reference.greedy is None
+    assert reference.sampler.greedy is None
 
 
 def test_a_fused_op_that_disagrees_is_not_used(tmp_path, monkeypatch, caplog) -> None:
@@ -81,17 +82,27 @@ def test_greedy_kernel_matches_argmax_and_log_softmax() -> None:
     logits[0, 10] = logits[0, 900] = logits[0].max() + 1  # a tie: the first index wins
     logits[1, :500] = float("-inf")  # masked tokens (min_new_tokens' EOS mask)
     logits[2] = 0.0  # all equal
-    ids, logprobs = FusedCpuOps().greedy(logits)
-    assert ids == logits.argmax(-1).tolist() and ids[0] == 10 and ids[2] == 0
+    ids, logprobs = FusedCpuOps().greedy(logits).unbind(1)
+    assert torch.equal(ids.long(), logits.argmax(-1)) and ids[0] == 10 and ids[2] == 0
     want = torch.log_softmax(logits, -1).max(-1).values
-    torch.testing.assert_close(torch.tensor(logprobs), want, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(logprobs.float(), want, atol=1e-5, rtol=1e-6)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_greedy_kernel_leaves_nan_and_infinity_to_pytorch(bad) -> None:
     logits = torch.randn(3, 100)
     logits[1, 40] = bad
-    assert FusedCpuOps().greedy(logits) is None
+    packed = FusedCpuOps().greedy(logits)
+    assert packed[:, 1].isnan().tolist() == [False, True, False]
+    seq = Sequence(0, [1, 2], SamplingParams(max_new_tokens=4), frozenset({0}), 0)
+    tokens = _sample(Sampler(FusedCpuOps().greedy), logits, [seq] * 3)
+    assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()  # PyTorch's path
+
+
+def _sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]):
+    buffer = StepBuffer(torch.device("cpu"))
+    plan = sampler.stage(seqs, buffer)
+    return sampler(logits, plan, buffer.upload())
 
 
 def test_sampler_uses_the_greedy_kernel_only_for_plain_greedy_rows() -> None:
@@ -99,15 +110,16 @@ def test_sampler_uses_the_greedy_kernel_only_for_plain_greedy_rows() -> None:
 
     def kernel(logits):
         calls.append(logits.shape[0])
-        return [7] * logits.shape[0], [-0.5] * logits.shape[0]
+        return torch.tensor([[7.0, -0.5]] * logits.shape[0], dtype=torch.float64)
 
     def seq(**params):
         return Sequence(0, [1, 2], SamplingParams(max_new_tokens=4, **params), frozenset({0}), 0)
 
     logits = torch.randn(2, 10)
-    assert [t.token_id for t in sample(logits, [seq(), seq(min_new_tokens=0)], kernel)] == [7, 7]
+    sampler = Sampler(kernel)
+    assert [t.token_id for t in _sample(sampler, logits, [seq(), seq(min_new_tokens=0)])] == [7, 7]
     for other in ({"top_logprobs": 2}, {"repetition_penalty": 1.3}, {"min_new_tokens": 2},
                   {"do_sample": True, "seed": 1}):
-        tokens = sample(logits, [seq(), seq(**other)], kernel)
+        tokens = _sample(sampler, logits, [seq(), seq(**other)])
         assert tokens[0].token_id == int(logits[0].argmax())  # PyTorch's path for the batch
     assert calls == [2]

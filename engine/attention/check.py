@@ -57,7 +57,7 @@ def _check(runner: ModelRunner, case: list[tuple[int, int]]) -> float:
     spec = runner.spec
     generator = torch.Generator(device=runner.device).manual_seed(0)
     with torch.inference_mode():
-        meta = runner._prepare(ScheduledBatch(tuple(seqs), tuple(n for _, n in case)))[2]
+        meta = runner.attention_metadata(ScheduledBatch(tuple(seqs), tuple(n for _, n in case)))
         for cache in (k_cache, v_cache):
             cache[:used_slots] = torch.randn(cache[:used_slots].shape, generator=generator,
                                              device=runner.device).to(cache.dtype)
@@ -102,7 +102,7 @@ def warm_up_attention(runner: ModelRunner, max_rows: int) -> list[int]:
         for rows in warm_up_buckets(max_rows, pool_tokens):
             seq = Sequence(0, [3] * rows, SamplingParams())
             seq.block_table = list(range(-(-rows // runner.block_size)))
-            meta = runner._prepare(ScheduledBatch((seq,), (rows,)))[2]
+            meta = runner.attention_metadata(ScheduledBatch((seq,), (rows,)))
             q = torch.zeros(rows, spec.num_heads, spec.head_dim, device=runner.device,
                             dtype=runner.kv_cache.dtype)
             k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[0, 1]

@@ -46,14 +46,11 @@ class CpuPagedAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> DecodeRows | None:
         if meta.decode_token_idx is None:
             return None
-        visible = meta.decode_mask[:, 0, 0, :]  # [B, T] bool
         num_rows = meta.decode_token_idx.numel()
         whole_batch = num_rows == meta.slot_mapping.numel()  # decode-only: rows 0..B-1
         return DecodeRows(
             token_idx=None if whole_batch else meta.decode_token_idx,
-            pages=meta.decode_pages.contiguous(),
-            ctx=torch.tensor(meta.decode_context_lens, dtype=torch.int64),
-            lo=visible.int().argmax(-1),  # first visible position
+            pages=meta.decode_pages.contiguous(), ctx=meta.decode_ctx, lo=meta.decode_lo,
             width=max(meta.decode_context_lens))
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

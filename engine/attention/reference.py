@@ -42,6 +42,9 @@ class AttentionMetadata:
     backend: AttentionBackend
     # Keys each decode row sees (its context length), in decode_token_idx order.
     decode_context_lens: tuple[int, ...] = ()
+    decode_ctx: torch.Tensor | None = None  # [num_decodes] int64: decode_context_lens
+    decode_lo: torch.Tensor | None = None  # [num_decodes] int64: first visible position
+    decode_order: torch.Tensor | None = None  # [num_decodes] int64: rows by ascending context
     # What the backend derived from this metadata once per step (shared by every layer).
     backend_state: object | None = None
 
@@ -98,14 +101,13 @@ def decode_groups(meta: AttentionMetadata) -> tuple[DecodeGroup, ...]:
     lens = meta.decode_context_lens
     if len(lens) != len(meta.decode_token_idx):
         return (whole,)
-    order = sorted(range(len(lens)), key=lens.__getitem__)
-    widths = [-(-lens[i] // meta.page_size) for i in order]  # pages each row needs, ascending
+    widths = sorted(-(-n // meta.page_size) for n in lens)  # pages each row needs, ascending
     bounds = split_by_width(widths, GROUP_COST, MAX_DECODE_GROUPS)
-    if len(bounds) == 2:
+    if len(bounds) == 2 or meta.decode_order is None:
         return (whole,)
     groups = []
     for start, end in zip(bounds, bounds[1:], strict=False):
-        rows = torch.tensor(order[start:end], device=meta.decode_pages.device)
+        rows = meta.decode_order[start:end]  # the runner sorted them, on the device already
         width = widths[end - 1]
         groups.append(DecodeGroup(meta.decode_token_idx.index_select(0, rows),
                                   meta.decode_pages.index_select(0, rows)[:, :width],

@@ -46,9 +46,9 @@ class FusedCpuOps:
             torch.get_num_threads())
         return q
 
-    def greedy(self, logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
-        """logits [S, vocab] float32 → (argmax ids, log-probabilities); None when a row holds
-        NaN or infinity (PyTorch defines those)."""
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [S, vocab] float32 → [S, 2] float64: argmax id, its log-probability; the
+        log-probability is NaN where a row holds NaN or infinity (PyTorch defines those)."""
         logits = logits.contiguous()
         rows, vocab = logits.shape
         chosen = torch.empty(rows, dtype=torch.int64)
@@ -56,9 +56,8 @@ class FusedCpuOps:
         ok = torch.empty(rows, dtype=torch.int32)
         self.lib.batchyard_greedy(logits.data_ptr(), rows, vocab, chosen.data_ptr(),
                                   logprob.data_ptr(), ok.data_ptr(), torch.get_num_threads())
-        if not bool(ok.all()):
-            return None
-        return chosen.tolist(), logprob.tolist()
+        logprob = logprob.masked_fill(ok == 0, float("nan"))
+        return torch.stack([chosen.double(), logprob.double()], dim=1)
 
 
 def fused_ops_for(model: torch.nn.Module, dtype: torch.dtype,
@@ -96,7 +95,7 @@ def _check(ops: FusedCpuOps, model: torch.nn.Module) -> None:
     error = (ops.rms_norm(x.clone(), norm.weight, norm.eps) - norm(x)).abs().max().item()
     assert error <= 1e-5 * norm(x).abs().max().item(), f"RMSNorm differs by {error:.2g}"
     logits = 5 * torch.randn(n, spec.vocab_size, generator=generator)
-    ids, logprobs = ops.greedy(logits)
+    ids, logprobs = ops.greedy(logits).unbind(1)
     want = torch.log_softmax(logits, -1).max(-1)
-    assert ids == logits.argmax(-1).tolist(), "greedy argmax differs"
-    assert torch.allclose(torch.tensor(logprobs), want.values, atol=1e-4), "logprob differs"
+    assert torch.equal(ids.long(), logits.argmax(-1)), "greedy argmax differs"
+    assert torch.allclose(logprobs.float(), want.values, atol=1e-4), "logprob differs"

@@ -1,0 +1,95 @@
+"""StepBuffer: one step's integers and per-row floats, packed on the host, one copy to the device.
+
+Building each index tensor with its own `torch.tensor(list, device=...)` costs an unpinned,
+synchronous host-to-device copy apiece (several per step), and the device idles between them.
+Here the runner writes every section (token ids, positions, slots, page tables, sampling
+parameters) into one persistent host buffer, pinned on CUDA, and a single non-blocking copy moves
+the used prefix; the device views are slices of one persistent device buffer.
+
+int64 throughout: the pool's index ops (index_copy_, gather) and the CPU kernels take int64
+indices, so int32 would cost a cast per use; per-row floats are stored as float64 bit patterns
+in the same buffer. Reuse is safe because a step ends with its device-to-host copy of the sampled
+tokens, which orders this step's upload before the next step's writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_INITIAL_CAPACITY = 1 << 14  # int64 entries (128 KiB); doubles when a step needs more
+
+
+class StepBuffer:
+    """put()/put_floats() append named sections; upload() returns their device views."""
+
+    def __init__(self, device: torch.device, capacity: int = _INITIAL_CAPACITY) -> None:
+        self.device = device
+        self._sections: dict[str, tuple[int, tuple[int, ...], bool]] = {}
+        self._used = 0
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        on_cpu = self.device.type == "cpu"
+        # [capacity] int64; the device buffer is the host one on CPU (nothing to copy)
+        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=not on_cpu)
+        self._ints = self.host.numpy()
+        self._floats = self._ints.view(np.float64)
+        self.dev = self.host if on_cpu else torch.zeros(capacity, dtype=torch.int64,
+                                                        device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.host.numel()
+
+    def reset(self) -> None:
+        self._sections.clear()
+        self._used = 0
+
+    def put(self, name: str, values: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+            shape: tuple[int, ...] | None = None) -> None:
+        """Append integers under `name` (viewed with `shape` on the device; default flat)."""
+        start = self._reserve(name, len(values) if shape is None else math.prod(shape), shape)
+        self._ints[start:self._used] = values if shape is None else np.reshape(values, -1)
+
+    def put_floats(self, name: str, values: Sequence[float] | Sequence[Sequence[float]],
+                   shape: tuple[int, ...] | None = None) -> None:
+        """Append floats under `name`; their device view is float64."""
+        count = len(values) if shape is None else math.prod(shape)
+        start = self._reserve(name, count, shape, floats=True)
+        self._floats[start:self._used] = values if shape is None else np.reshape(values, -1)
+
+    def upload(self) -> dict[str, torch.Tensor]:
+        """The one host-to-device copy of the step; views of the device buffer by name."""
+        if self.dev is not self.host:
+            self.dev[:self._used].copy_(self.host[:self._used], non_blocking=True)
+        views = {}
+        for name, (start, shape, floats) in self._sections.items():
+            view = self.dev[start:start + math.prod(shape)]
+            views[name] = (view.view(torch.float64) if floats else view).view(shape)
+        return views
+
+    def _reserve(self, name: str, count: int, shape: tuple[int, ...] | None, *,
+                 floats: bool = False) -> int:
+        assert name not in self._sections, f"section {name} written twice in one step"
+        start = self._used
+        if start + count > self.capacity:
+            self._grow(start + count)
+        self._sections[name] = (start, shape or (count,), floats)
+        self._used = start + count
+        return start
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        logger.debug("step buffer grown to %d entries", capacity)
+        written = self._ints[:self._used].copy()
+        self._allocate(capacity)
+        self._ints[:len(written)] = written
