@@ -56,7 +56,8 @@ class ModelRunner:
         views, meta, sampled, plan = self._prepare(batch)
         self.phases.mark("prepare")
         # [num_tokens, hidden]
-        hidden = self.model(views["ids"], views["positions"], meta, self.kv_cache)
+        input_ids, positions, _ = views["tokens"]  # [N] each
+        hidden = self.model(input_ids, positions, meta, self.kv_cache)
         out: list[SampledToken | None] = [None] * len(batch.seqs)
         if not sampled:
             self.phases.mark("forward")
@@ -99,9 +100,7 @@ class ModelRunner:
             if end == seq.num_tokens:  # caught up: its next token is sampled
                 sample_rows.append(row + n - 1)
                 sampled.append(i)
-        buffer.put("ids", ids)
-        buffer.put("positions", positions)
-        buffer.put("slots", slots)
+        buffer.put("tokens", [ids, positions, slots], shape=(3, len(ids)))
         buffer.put("sample_rows", sample_rows)
         self._stage_decodes(decodes)
         page_spans = self._stage_prefill_pages(prefills)
@@ -125,14 +124,13 @@ class ModelRunner:
         pages = [self._pages(table, ctx) for _, table, ctx in decodes]
         width = max(len(p) for p in pages)
         window = self.spec.sliding_window
-        buffer = self.buffer
-        buffer.put("decode_rows", [row for row, _, _ in decodes])
-        buffer.put("decode_ctx", contexts)
-        buffer.put("decode_lo", [0] * len(contexts) if window is None else
-                   [max(0, ctx - window) for ctx in contexts])
-        buffer.put("decode_order", sorted(range(len(contexts)), key=contexts.__getitem__))
-        buffer.put("decode_pages", [p + [0] * (width - len(p)) for p in pages],
-                   shape=(len(pages), width))
+        lows = [0] * len(contexts) if window is None else [max(0, c - window) for c in contexts]
+        order = sorted(range(len(contexts)), key=contexts.__getitem__)
+        # [4, B]: packed row, context length, first visible position, rank by context
+        self.buffer.put("decode", [[row for row, _, _ in decodes], contexts, lows, order],
+                        shape=(4, len(decodes)))
+        self.buffer.put("decode_pages", [p + [0] * (width - len(p)) for p in pages],
+                        shape=(len(pages), width))
 
     def _stage_prefill_pages(self, prefills: list[tuple[int, int, list[int], int]]
                              ) -> list[tuple[int, int]]:
@@ -156,16 +154,15 @@ class ModelRunner:
         decode: dict = {"decode_token_idx": None, "decode_pages": None, "decode_mask": None}
         if decodes:
             pages = views["decode_pages"]  # [B, max_pages]
+            token_idx, ctx, lo, order = views["decode"]  # [B] each
             pos = torch.arange(pages.shape[1] * self.page_size, device=self.device)  # [T]
-            ctx, lo = views["decode_ctx"][:, None], views["decode_lo"][:, None]  # [B, 1]
-            visible = (pos < ctx) & (pos >= lo)  # [B, T]
-            decode = {"decode_token_idx": views["decode_rows"], "decode_pages": pages,
+            visible = (pos < ctx[:, None]) & (pos >= lo[:, None])  # [B, T]
+            decode = {"decode_token_idx": token_idx, "decode_pages": pages,
                       "decode_mask": visible[:, None, None, :],
                       "decode_context_lens": tuple(c for _, _, c in decodes),
-                      "decode_ctx": views["decode_ctx"], "decode_lo": views["decode_lo"],
-                      "decode_order": views["decode_order"]}
+                      "decode_ctx": ctx, "decode_lo": lo, "decode_order": order}
         meta = AttentionMetadata(
-            slot_mapping=views["slots"], page_size=self.page_size, prefills=rows,
+            slot_mapping=views["tokens"][2], page_size=self.page_size, prefills=rows,
             backend=self.attention, **decode)
         return replace(meta, backend_state=self.attention.prepare(meta))
 

@@ -117,9 +117,11 @@ def unpack(host: np.ndarray, plan: SamplingPlan) -> list[SampledToken]:
     """The packed [S, 2 + 2k] rows on the host → one SampledToken per row."""
     ids, picked = host[:, 0].astype(np.int64).tolist(), host[:, 1].tolist()
     k = (host.shape[1] - 2) // 2
-    alt_ids, alt_values = host[:, 2:2 + k].astype(np.int64), host[:, 2 + k:]
-    return [SampledToken(ids[i], picked[i], tuple(zip(alt_ids[i, :n].tolist(),
-                                                      alt_values[i, :n].tolist(), strict=True)))
+    if k == 0:
+        return [SampledToken(token, logprob) for token, logprob in zip(ids, picked, strict=True)]
+    alt_ids, alt_values = host[:, 2:2 + k].astype(np.int64).tolist(), host[:, 2 + k:].tolist()
+    return [SampledToken(ids[i], picked[i], tuple(zip(alt_ids[i][:n], alt_values[i][:n],
+                                                      strict=True)))
             for i, n in enumerate(plan.top_logprobs)]
 
 

@@ -34,7 +34,7 @@ SIGNATURES = {
     "batchyard_decode_values": [*_DECODE, _INT],
     "batchyard_add_rms_norm": [_PTR] * 4 + [_I64, _I64, _F32, _INT],
     "batchyard_rope_store": [_PTR] * 7 + [_I64] * 4 + [_INT],
-    "batchyard_greedy": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT],
+    "batchyard_greedy": [_PTR, _I64, _I64, _PTR, _INT],
     "batchyard_gemm_pack": [_PTR, _I64, _I64, _PTR],
     "batchyard_gemm": [_PTR] * 4 + [_I64] * 3 + [_INT],
 }

@@ -4,7 +4,7 @@
  * argmax and gather read it); at a batch of 28 and a 49k vocabulary that was 3 ms of a 130 ms
  * step. Here each row is read twice, in cache: its maximum, then the sum of exponentials.
  * argmax takes the first maximal index, as torch.argmax does. A row with a NaN or an infinite
- * maximum returns ok = 0 and the caller uses PyTorch, which defines those cases.
+ * maximum gets a NaN log-probability and the caller uses PyTorch, which defines those cases.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,9 +47,9 @@ static int64_t first_argmax(const float *x, int64_t V) {
     return -1;
 }
 
-/* logits [S, V] → chosen [S], logprob [S]; ok [S]: 0 where the row needs PyTorch. */
-void batchyard_greedy(const float *logits, int64_t S, int64_t V, int64_t *chosen,
-                      float *logprob, int32_t *ok, int threads) {
+/* logits [S, V] → out [S, 2]: the chosen id and its log-probability, NaN where the row needs
+ * PyTorch; packed as the sampler's one host copy is (engine/sampler.py). */
+void batchyard_greedy(const float *logits, int64_t S, int64_t V, double *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t s = 0; s < S; ++s) {
         const float *x = logits + s * V;
@@ -64,8 +64,8 @@ void batchyard_greedy(const float *logits, int64_t S, int64_t V, int64_t *chosen
                 nan |= x[j] != x[j];
             }
         }
-        ok[s] = i >= 0 && isfinite(x[i]) && isfinite(sum) && !nan;
-        chosen[s] = i;
-        logprob[s] = ok[s] ? -logf(sum) : NAN;
+        const int ok = i >= 0 && isfinite(x[i]) && isfinite(sum) && !nan;
+        out[2 * s] = (double)i;
+        out[2 * s + 1] = ok ? (double)-logf(sum) : NAN;
     }
 }

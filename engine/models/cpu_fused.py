@@ -51,13 +51,10 @@ class FusedCpuOps:
         log-probability is NaN where a row holds NaN or infinity (PyTorch defines those)."""
         logits = logits.contiguous()
         rows, vocab = logits.shape
-        chosen = torch.empty(rows, dtype=torch.int64)
-        logprob = torch.empty(rows)
-        ok = torch.empty(rows, dtype=torch.int32)
-        self.lib.batchyard_greedy(logits.data_ptr(), rows, vocab, chosen.data_ptr(),
-                                  logprob.data_ptr(), ok.data_ptr(), torch.get_num_threads())
-        logprob = logprob.masked_fill(ok == 0, float("nan"))
-        return torch.stack([chosen.double(), logprob.double()], dim=1)
+        out = torch.empty(rows, 2, dtype=torch.float64)  # [S, 2]
+        self.lib.batchyard_greedy(logits.data_ptr(), rows, vocab, out.data_ptr(),
+                                  torch.get_num_threads())
+        return out
 
 
 def fused_ops_for(model: torch.nn.Module, dtype: torch.dtype,
