@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalText
 from engine.inputs import GenerationRequest
 from engine.kv.budget import build_allocator, default_budget_bytes, max_concurrency, plan_kv
+from engine.output_processor import OutputProcessor, StepOutput
 from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
 from engine.phases import NoPhases, StepPhases
 from engine.sampling_params import RequestError, SamplingParams
@@ -24,12 +24,15 @@ logger = logging.getLogger(__name__)
 class _Request:
     request_id: str
     seq: Sequence
-    text: IncrementalText
 
 
 class LLMEngine:
     """Owns the scheduler, the runner and every in-flight request. Not thread-safe: EngineLoop
-    drives it from one thread when serving; offline callers add requests and step() it."""
+    drives it from one thread when serving; offline callers add requests and step() it.
+
+    The core step, step_outputs(), schedules and computes and returns token ids; the output
+    processor turns them into text. step() runs both, so offline a stop string ends its sequence
+    before the next step; EngineLoop runs the output processor on a thread of its own."""
 
     def __init__(self, config: EngineConfig, tokenizer, scheduler: Scheduler, runner,
                  max_model_len: int, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
@@ -46,6 +49,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._last_batch: ScheduledBatch | None = None
         self.phases: StepPhases | NoPhases = NoPhases()
+        self.output_processor = OutputProcessor(tokenizer)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -120,29 +124,29 @@ class LLMEngine:
         seq = Sequence(self._next_seq_id, request.prompt_token_ids, params, self.eos_token_ids,
                        seed)
         self._next_seq_id += 1
-        text = IncrementalText(self.tokenizer.backend_tokenizer, params.stop)
-        self._requests[seq.seq_id] = _Request(request_id, seq, text)
+        self.output_processor.add(request_id, params)
+        self._requests[seq.seq_id] = _Request(request_id, seq)
         self._ids[request_id] = seq.seq_id
         self.scheduler.add(seq)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
-              error: str | None = None) -> TokenEvent | None:
-        """End a request now and free its KV; returns its final event (None if unknown)."""
+              error: str | None = None) -> StepOutput | None:
+        """End a request now and free its KV; returns its final output (None if unknown)."""
         seq_id = self._ids.get(request_id)
         if seq_id is None:
             return None
         req = self._requests[seq_id]
         self.scheduler.finish(req.seq, reason)
-        return self._event(req, None, None, req.text.flush(), error)
+        return self._output(req, None, error=error)
 
-    def fail_last_batch(self, error: str) -> list[TokenEvent]:
-        """End every request of the batch whose step raised; returns their final events."""
+    def fail_last_batch(self, error: str) -> list[StepOutput]:
+        """End every request of the batch whose step raised; returns their final outputs."""
         batch, self._last_batch = self._last_batch, None
         if batch is None:
             return []
         live = [self._requests[s.seq_id] for s in batch.seqs if s.seq_id in self._requests]
         ids = [req.request_id for req in live]
-        return [e for rid in ids if (e := self.abort(rid, FinishReason.ERROR, error))]
+        return [out for rid in ids if (out := self.abort(rid, FinishReason.ERROR, error))]
 
     @property
     def last_batch(self) -> ScheduledBatch | None:
@@ -162,6 +166,15 @@ class LLMEngine:
 
     def step(self) -> list[TokenEvent]:
         """Run one iteration; returns one event per request that got a token or finished."""
+        events, stopped = self.output_processor.process(self.step_outputs())
+        for request_id in stopped:  # a stop string: end it before the next step is planned
+            self.abort(request_id, FinishReason.STOP)
+        self.phases.mark("detokenize")
+        return events
+
+    def step_outputs(self) -> list[StepOutput]:
+        """The core step, schedule → run → postprocess: one output per request that got a token
+        or finished, with token ids only (no text, no stop strings)."""
         self._last_batch = None
         self.phases.start()
         batch = self._last_batch = self.scheduler.schedule()
@@ -170,9 +183,9 @@ class LLMEngine:
             return []
         samples = self.runner.run(batch)  # marks prepare, forward and sample
         self.scheduler.postprocess(batch, samples)
-        events = self._events(batch, samples)
+        outputs = self._outputs(batch, samples)
         self.phases.mark("postprocess")
-        return events
+        return outputs
 
     def measure_phases(self, phases: StepPhases | NoPhases) -> None:
         """Time each phase of later steps with `phases` (NoPhases turns it off)."""
@@ -201,34 +214,24 @@ class LLMEngine:
             kv_block_size=allocator.block_size, max_concurrency=self.max_concurrency,
             prefix_cache_hit_rate=hit_rate)
 
-    def _events(self, batch: ScheduledBatch,
-                samples: list[SampledToken | None]) -> list[TokenEvent]:
-        events = []
-        for seq, sample in zip(batch.seqs, samples, strict=True):
-            req = self._requests.get(seq.seq_id)
-            if sample is None or req is None:
-                continue
-            check_stop = bool(seq.params.stop) and not seq.is_finished and (
-                seq.num_output_tokens >= seq.params.min_new_tokens)
-            delta, stopped = req.text.add(sample.token_id, check_stop=check_stop)
-            if stopped:
-                self.scheduler.finish(seq, FinishReason.STOP)
-            elif seq.is_finished:
-                delta += req.text.flush()
-            events.append(self._event(req, sample.token_id, sample.logprob, delta,
-                                      top_logprobs=sample.top_logprobs))
-        return events
+    def _outputs(self, batch: ScheduledBatch,
+                 samples: list[SampledToken | None]) -> list[StepOutput]:
+        return [self._output(req, sample)
+                for seq, sample in zip(batch.seqs, samples, strict=True)
+                if sample is not None and (req := self._requests.get(seq.seq_id)) is not None]
 
-    def _event(self, req: _Request, token_id: int | None, logprob: float | None, text: str,
-               error: str | None = None,
-               top_logprobs: tuple[tuple[int, float], ...] = ()) -> TokenEvent:
+    def _output(self, req: _Request, sample: SampledToken | None,
+                error: str | None = None) -> StepOutput:
         seq = req.seq
         reason = seq.finish_reason.value if seq.finish_reason else None
         if reason is not None:
             del self._requests[seq.seq_id]
             del self._ids[req.request_id]
-        return TokenEvent(req.request_id, token_id, text, logprob, seq.num_prompt_tokens,
-                          seq.num_output_tokens, reason, error, top_logprobs)
+        if sample is None:
+            return StepOutput(req.request_id, None, None, seq.num_prompt_tokens,
+                              seq.num_output_tokens, reason, error)
+        return StepOutput(req.request_id, sample.token_id, sample.logprob, seq.num_prompt_tokens,
+                          seq.num_output_tokens, reason, error, sample.top_logprobs)
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

@@ -1,4 +1,5 @@
-"""EngineLoop: one background thread owns the LLMEngine; callers submit and read events."""
+"""EngineLoop: the engine thread owns the LLMEngine and only schedules and computes; the output
+thread turns its token ids into text events and hands them to callers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from engine.inputs import AbortRequest, AddRequest, GenerationRequest
 from engine.llm_engine import LLMEngine
+from engine.output_processor import StepOutput
 from engine.outputs import Gauges, StepStats, TokenEvent
 from engine.sequence import FinishReason
 
@@ -47,7 +49,7 @@ class RequestHandle:
             try:
                 event = self._events.get(timeout=_POLL_SECONDS)
             except queue.Empty:
-                if not self._loop.is_alive():
+                if not self._loop.is_delivering():
                     event = self._dead_event()
                 else:
                     continue
@@ -65,10 +67,14 @@ class RequestHandle:
 
 
 class EngineLoop:
-    """Drives engine.step() in a thread; thread-safe submit/abort; deadlines; bounded shutdown.
+    """Drives the engine in a thread; thread-safe submit/abort; deadlines; bounded shutdown.
 
     Requests arrive validated (EngineClient.submit is the boundary); the inbox carries
-    AddRequest / AbortRequest messages that only the loop thread applies to the engine."""
+    AddRequest / AbortRequest messages that only the engine thread applies to the engine. The
+    engine thread runs engine.step_outputs() and queues the token ids; the output thread
+    detokenizes them (engine.output_processor), so the device never waits on text. A stop string
+    found there comes back through the inbox as an abort: its sequence may compute one more
+    token, which the output processor drops, and its KV is freed a step later."""
 
     def __init__(self, engine: LLMEngine, max_queued: int,
                  on_step: Callable[[StepStats], None] | None = None) -> None:
@@ -85,13 +91,22 @@ class EngineLoop:
         self._stopping = False
         self._failures = 0
         self._gauges = engine.gauges()
+        # Batches of core outputs in step order; None after the last one.
+        self._outputs: queue.SimpleQueue[list[StepOutput] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._output_thread = threading.Thread(target=self._emit, name="engine-output",
+                                               daemon=True)
 
     def start(self) -> None:
+        self._output_thread.start()
         self._thread.start()
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
+
+    def is_delivering(self) -> bool:
+        """Events may still arrive: the output thread runs (it ends every handle it leaves)."""
+        return self._output_thread.is_alive()
 
     @property
     def num_in_flight(self) -> int:
@@ -130,9 +145,10 @@ class EngineLoop:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join(timeout=5)
-        if self._thread.is_alive():
-            logger.warning("engine loop did not stop within 5 s")
+        for thread in (self._thread, self._output_thread):
+            thread.join(timeout=5)
+            if thread.is_alive():
+                logger.warning("%s thread did not stop within 5 s", thread.name)
 
     def _queue(self, request: GenerationRequest) -> RequestHandle:
         request_id = f"req-{next(self._ids)}"
@@ -143,7 +159,7 @@ class EngineLoop:
         self._inbox.append(AddRequest(request_id, request))
         return handle
 
-    # --- the loop thread ---
+    # --- the engine thread ---
 
     def _run(self) -> None:
         try:
@@ -154,7 +170,7 @@ class EngineLoop:
                     self._idle(None)
                     continue
                 start = time.perf_counter()
-                self._dispatch(self._step())
+                self._publish(self._step())
                 if self.engine.last_batch is None:  # nothing could run: wait for time or input
                     self._idle(self.engine.scheduler.wait_hint())
                 elif self._on_step is not None:
@@ -164,9 +180,9 @@ class EngineLoop:
         finally:
             self._abort_all("the engine loop stopped")
 
-    def _step(self) -> list[TokenEvent]:
+    def _step(self) -> list[StepOutput]:
         try:
-            events = self.engine.step()
+            outputs = self.engine.step_outputs()
         except Exception:
             self._failures += 1
             if self._failures >= _MAX_CONSECUTIVE_FAILURES:
@@ -175,7 +191,7 @@ class EngineLoop:
             logger.exception("engine step failed; failing the requests of that batch")
             return self.engine.fail_last_batch("engine failure")
         self._failures = 0
-        return events
+        return outputs
 
     def _idle(self, timeout: float | None) -> None:
         with self._cond:
@@ -202,12 +218,51 @@ class EngineLoop:
                 self._deadlines.pop(rid, None)
 
     def _end(self, message: AbortRequest) -> None:
-        event = self.engine.abort(message.request_id, message.reason, message.error)
-        self._dispatch([event] if event else [])
+        output = self.engine.abort(message.request_id, message.reason, message.error)
+        self._publish([output] if output else [])
+
+    def _publish(self, outputs: list[StepOutput]) -> None:
+        if outputs:  # gauges first: a caller that sees its final event sees its KV freed
+            self._gauges = self.engine.gauges()
+            self._outputs.put(outputs)
+
+    def _abort_all(self, error: str) -> None:
+        with self._cond:
+            self._inbox = [m for m in self._inbox if not isinstance(m, AddRequest)]
+            request_ids = list(self._handles)
+        self._publish([out for rid in request_ids
+                       if (out := self.engine.abort(rid, FinishReason.ERROR, error))])
+        self._outputs.put(None)
+
+    # --- the output thread ---
+
+    def _emit(self) -> None:
+        while (outputs := self._outputs.get()) is not None:
+            try:
+                events, stopped = self.engine.output_processor.process(outputs)
+            except Exception:
+                logger.exception("output processing failed; failing the requests it held")
+                events, stopped = self._failed(outputs), []
+            self._dispatch(events)
+            if stopped:
+                with self._cond:  # the core still runs them: end them there too
+                    self._inbox.extend(AbortRequest(rid, FinishReason.STOP) for rid in stopped)
+                    self._cond.notify()
+        with self._cond:  # the engine thread is done: whatever is left never reached it
+            handles = list(self._handles.values())
+        self._dispatch([handle._dead_event() for handle in handles])
+
+    def _failed(self, outputs: list[StepOutput]) -> list[TokenEvent]:
+        request_ids = dict.fromkeys(out.request_id for out in outputs)
+        for rid in request_ids:
+            self.engine.output_processor.discard(rid)
+        with self._cond:
+            self._inbox.extend(AbortRequest(rid, FinishReason.ERROR) for rid in request_ids)
+            self._cond.notify()
+        return [TokenEvent(rid, None, "", None, 0, 0, FinishReason.ERROR.value,
+                           "output processing failed") for rid in request_ids]
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
-        if events:  # publish first: a caller that sees its final event sees its KV freed
-            self._gauges = self.engine.gauges()
         with self._cond:
             for event in events:
                 handle = self._handles.get(event.request_id)
@@ -217,11 +272,3 @@ class EngineLoop:
                 if event.finished:
                     del self._handles[event.request_id]
                     self._deadlines.pop(event.request_id, None)
-
-    def _abort_all(self, error: str) -> None:
-        with self._cond:
-            self._inbox = [m for m in self._inbox if not isinstance(m, AddRequest)]
-            handles = list(self._handles.values())
-        for handle in handles:
-            event = self.engine.abort(handle.request_id, FinishReason.ERROR, error)
-            self._dispatch([event or handle._dead_event()])

@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 # In step order. prepare holds the metadata build and its host->device copies; forward holds
 # the model and the logits; sample holds the device->host copy of the sampled ids;
-# postprocess holds the scheduler's bookkeeping and detokenization.
-PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
+# postprocess holds the scheduler's bookkeeping; detokenize the output processor (text, stop
+# strings), which runs on its own thread when serving.
+PHASES = ("schedule", "prepare", "forward", "sample", "postprocess", "detokenize")
 
 
 class NoPhases:
