@@ -12,28 +12,51 @@ from collections.abc import Callable, Sequence
 from jinja2 import TemplateError
 
 from engine.config import EngineConfig
-from engine.inputs import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.loop import EngineLoop, RequestHandle
+from engine.core import ThreadCore
+from engine.inputs import GenerationRequest, RequestLimits
+from engine.llm_engine import LLMEngine, load_tokenizer
+from engine.loop import Core, EngineLoop, RequestHandle
 from engine.outputs import Gauges, StepStats
 from engine.sampling_params import RequestError
 
 
 class EngineClient:
-    """Owns an LLMEngine and the loop thread that drives it."""
+    """The serving side of one engine: tokenizer, validation, the loop; the core behind it
+    runs on a thread of this process or in its own (from_config(..., process=True))."""
 
     def __init__(self, engine: LLMEngine, max_queued: int,
                  on_step: Callable[[StepStats], None] | None = None) -> None:
-        self._engine = engine
-        self._tokenizer = engine.tokenizer
-        self._tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share
-        self._loop = EngineLoop(engine, max_queued, on_step)
+        """Serve `engine` (already loaded here) from a core thread."""
+        self._init(ThreadCore(engine), engine.tokenizer, engine.limits, engine.config,
+                   max_queued, on_step)
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_queued: int,
-                    on_step: Callable[[StepStats], None] | None = None) -> EngineClient:
-        """Load the model and build the engine; start() then begins serving."""
-        return cls(LLMEngine.from_config(config), max_queued, on_step)
+                    on_step: Callable[[StepStats], None] | None = None,
+                    process: bool = False) -> EngineClient:
+        """Load the model and build the engine, here or in a core process; start() then begins
+        serving."""
+        if not process:
+            return cls(LLMEngine.from_config(config), max_queued, on_step)
+        from engine.core_process import ProcessCore
+
+        core = ProcessCore(config)  # loads the model while this process loads the tokenizer
+        try:
+            tokenizer = load_tokenizer(config)
+            core.wait_ready()
+        except BaseException:
+            core.terminate()
+            raise
+        client = cls.__new__(cls)
+        client._init(core, tokenizer, core.limits, config, max_queued, on_step)
+        return client
+
+    def _init(self, core: Core, tokenizer, limits: RequestLimits, config: EngineConfig,
+              max_queued: int, on_step: Callable[[StepStats], None] | None) -> None:
+        self._tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share
+        self._limits = limits
+        self._loop = EngineLoop(core, tokenizer, config.max_num_seqs, max_queued, on_step)
 
     def start(self) -> None:
         self._loop.start()
@@ -77,7 +100,7 @@ class EngineClient:
     def submit_all(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
         """Validate every request, then queue them all or none."""
         for request in requests:
-            self._engine.validate(request.prompt_token_ids, request.params)
+            self._limits.validate(request.prompt_token_ids, request.params)
         return self._loop.submit(requests)
 
     def abort(self, request_id: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestError, SamplingParams
 from engine.sequence import FinishReason
 
 
@@ -33,3 +33,34 @@ class AbortRequest:
     request_id: str
     reason: FinishReason = FinishReason.ABORT
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class StopCore:
+    """Inbox message: stop stepping; the core ends what is left with an error."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may hold, fixed at start-up: the boundary validates against it, on
+    whichever side of a process the engine runs."""
+
+    max_model_len: int
+    max_seq_tokens: int  # the most one sequence can hold in the KV pool
+    vocab_size: int
+
+    def validate(self, prompt_token_ids: tuple[int, ...] | list[int],
+                 params: SamplingParams) -> None:
+        """Raise RequestError if this request can never run (empty, too long, bad token ids)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("inputs must not be empty (0 tokens after tokenization)", "inputs")
+        limit, name = self.max_model_len, "max_model_len"
+        if self.max_seq_tokens < limit:
+            limit, name = self.max_seq_tokens, "the whole KV pool"
+        if n + params.max_new_tokens > limit:
+            raise RequestError(
+                f"inputs tokens + max_new_tokens must be <= {limit} ({name}). "
+                f"Given: {n} inputs tokens and {params.max_new_tokens} max_new_tokens", "inputs")
+        if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise RequestError(f"token ids must be in [0, {self.vocab_size})", "inputs")

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.inputs import GenerationRequest
+from engine.inputs import GenerationRequest, RequestLimits
 from engine.kv.budget import build_allocator, default_budget_bytes, max_concurrency, plan_kv
 from engine.output_processor import OutputProcessor, StepOutput
 from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
 from engine.phases import NoPhases, StepPhases
-from engine.sampling_params import RequestError, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import SCHEDULERS, ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
 
@@ -55,8 +55,6 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load tokenizer and weights, size the KV pool, build the strategy's scheduler."""
         # Imported here so that `import engine` (the handler choosing a strategy) skips torch.
-        from transformers import AutoTokenizer
-
         from engine.attention.check import prepare_attention
         from engine.attention.select import select_attention_backend
         from engine.model_runner import ModelRunner
@@ -68,8 +66,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         model, spec = load_model(config.model, dtype, device)
         pack_model_linears(model, config, device, dtype)
-        tokenizer = AutoTokenizer.from_pretrained(
-            config.model, trust_remote_code=config.trust_remote_code, local_files_only=True)
+        tokenizer = load_tokenizer(config)
         max_model_len = _max_model_len(config, spec.max_position_embeddings)
         plan = plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype),
                        default_budget_bytes(device.type, config.gpu_memory_utilization))
@@ -93,38 +90,34 @@ class LLMEngine:
 
     # --- requests ---
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request may hold; fixed at start-up, so any thread may read it."""
+        return RequestLimits(self.max_model_len, self.scheduler.allocator.max_seq_tokens,
+                             self.vocab_size)
+
     def validate(self, prompt_token_ids: list[int] | tuple[int, ...],
                  params: SamplingParams) -> None:
-        """Raise RequestError if this request can never run (empty, too long, bad token ids).
-        Reads only what is fixed at start-up, so any thread may call it."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("inputs must not be empty (0 tokens after tokenization)", "inputs")
-        limit, name = self.max_model_len, "max_model_len"
-        if self.scheduler.allocator.max_seq_tokens < limit:
-            limit, name = self.scheduler.allocator.max_seq_tokens, "the whole KV pool"
-        if n + params.max_new_tokens > limit:
-            raise RequestError(
-                f"inputs tokens + max_new_tokens must be <= {limit} ({name}). "
-                f"Given: {n} inputs tokens and {params.max_new_tokens} max_new_tokens", "inputs")
-        if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise RequestError(f"token ids must be in [0, {self.vocab_size})", "inputs")
+        """Raise RequestError if this request can never run (empty, too long, bad token ids)."""
+        self.limits.validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
                     params: SamplingParams) -> None:
-        """Validate and queue a request under a caller-chosen unique id (offline use)."""
+        """Validate and queue a request under a caller-chosen unique id (offline use: step()
+        returns its text events)."""
         self.validate(prompt_token_ids, params)
+        self.output_processor.add(request_id, params)
         self.add_validated(request_id, GenerationRequest(tuple(prompt_token_ids), params))
 
     def add_validated(self, request_id: str, request: GenerationRequest) -> None:
-        """Queue a request that passed validate(); the loop's inbox lands here."""
+        """Queue a request that passed validate(); the core's inbox lands here (its caller
+        detokenizes step_outputs() itself)."""
         assert request_id not in self._ids, f"duplicate request id {request_id}"
         params = request.params
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(self._next_seq_id, request.prompt_token_ids, params, self.eos_token_ids,
                        seed)
         self._next_seq_id += 1
-        self.output_processor.add(request_id, params)
         self._requests[seq.seq_id] = _Request(request_id, seq)
         self._ids[request_id] = seq.seq_id
         self.scheduler.add(seq)
@@ -152,6 +145,10 @@ class LLMEngine:
     def last_batch(self) -> ScheduledBatch | None:
         """The batch of the latest step (None when nothing could run)."""
         return self._last_batch
+
+    def request_ids(self) -> list[str]:
+        """Every request not yet finished, queued or running."""
+        return list(self._ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -232,6 +229,14 @@ class LLMEngine:
                               seq.num_output_tokens, reason, error)
         return StepOutput(req.request_id, sample.token_id, sample.logprob, seq.num_prompt_tokens,
                           seq.num_output_tokens, reason, error, sample.top_logprobs)
+
+
+def load_tokenizer(config: EngineConfig):
+    """The model folder's tokenizer (no code from the folder unless trust_remote_code)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code,
+                                         local_files_only=True)
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

@@ -119,7 +119,7 @@ def test_served_detokenizes_on_the_output_thread_and_equals_offline(model_dir, f
     stop = text[len(text) // 2:len(text) // 2 + 2]
     engine = make_engine(model_dir, "continuous")
     threads: dict[str, set[str]] = {"core": set(), "text": set()}
-    core, process = engine.step_outputs, engine.output_processor.process
+    core = engine.step_outputs
 
     def spy(record, real):
         def call(*args):
@@ -127,9 +127,10 @@ def test_served_detokenizes_on_the_output_thread_and_equals_offline(model_dir, f
             return real(*args)
         return call
 
-    monkeypatch.setattr(engine, "step_outputs", spy("core", core))
-    monkeypatch.setattr(engine.output_processor, "process", spy("text", process))
     client = EngineClient(engine, max_queued=4)
+    processor = client._loop.output_processor
+    monkeypatch.setattr(engine, "step_outputs", spy("core", core))
+    monkeypatch.setattr(processor, "process", spy("text", processor.process))
     client.start()
     try:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, stop=(stop,))
@@ -148,7 +149,8 @@ def test_served_detokenizes_on_the_output_thread_and_equals_offline(model_dir, f
 def test_a_failing_output_stage_fails_its_requests_and_serving_goes_on(model_dir,
                                                                         monkeypatch) -> None:
     engine = make_engine(model_dir, "continuous")
-    real, calls = engine.output_processor.process, []
+    client = EngineClient(engine, max_queued=4)
+    real, calls = client._loop.output_processor.process, []
 
     def fail_first(outputs):
         calls.append(1)
@@ -156,8 +158,7 @@ def test_a_failing_output_stage_fails_its_requests_and_serving_goes_on(model_dir
             raise RuntimeError("injected")
         return real(outputs)
 
-    monkeypatch.setattr(engine.output_processor, "process", fail_first)
-    client = EngineClient(engine, max_queued=4)
+    monkeypatch.setattr(client._loop.output_processor, "process", fail_first)
     client.start()
     try:
         failed = list(client.submit(GenerationRequest(PROMPT, greedy(6))).events())

@@ -34,7 +34,7 @@ ENGINE_KEYS = {
     "trust_remote_code", "paged_attention", "block_size", "enable_chunked_prefill",
     "enable_prefix_caching", "gpu_memory_utilization", "num_kv_blocks", "kv_cache_memory",
     "device", "max_request_size", "seed", "attention_backend", "linear_backend",
-    "enforce_eager",
+    "enforce_eager", "engine_process",
 } | ROLLING_KEYS
 # LMI keys that mean nothing to this server: accepted, logged, ignored.
 IGNORED_KEYS = {

@@ -37,6 +37,7 @@ class ServingConfig:
     job_queue_size: int = 1000
     predict_timeout: float = 120.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    engine_process: bool = True  # the engine core in a process of its own (else a thread)
     model_id: str | None = None
     strategy_reason: str = "default"
     settings: Mapping[str, Setting] = field(default_factory=dict, compare=False)
@@ -47,7 +48,8 @@ class ServingConfig:
         parts = [f"strategy={e.batching} ({self.strategy_reason})", f"model={e.model}",
                  f"max_num_seqs={e.max_num_seqs}", f"max_model_len={e.max_model_len or 'model'}",
                  f"dtype={e.dtype}", f"device={e.device}", f"job_queue_size={self.job_queue_size}",
-                 f"predict_timeout={self.predict_timeout:g}s"]
+                 f"predict_timeout={self.predict_timeout:g}s",
+                 f"engine_process={self.engine_process}"]
         if e.batching == "dynamic":
             parts.append(f"max_batch_delay={e.max_batch_delay_ms:g}ms")
         if e.batching == "paged":
@@ -188,6 +190,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
         engine=engine, job_queue_size=r.integer("job_queue_size", 1000, 0),
         predict_timeout=r.number("option.predict_timeout", 120.0, 0.001),
         max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
+        engine_process=r.flag("option.engine_process", True),
         model_id=model_id_setting(settings), strategy_reason=why, settings=dict(settings))
 
 

@@ -61,7 +61,8 @@ class ServerState:
             if self._prepare_model is not None:
                 self._prepare_model()
             self.serve(EngineClient.from_config(self.config.engine, self.config.job_queue_size,
-                                                self.metrics.on_step))
+                                                self.metrics.on_step,
+                                                process=self.config.engine_process))
             logger.info("model loaded in %.1f s; serving", time.monotonic() - started)
         except Exception:
             logger.exception("model loading failed")

@@ -1,0 +1,172 @@
+"""EngineCore: the loop that owns an LLMEngine and only schedules and computes.
+
+It reads AddRequest / AbortRequest / StopCore messages from an inbox, expires deadlines, runs
+engine.step_outputs() and publishes each step's token ids with the gauges and step facts as a
+CoreUpdate. Text, stop strings and callers live on the other side (EngineLoop). The same loop
+runs on a thread (ThreadCore) or in a process of its own (engine/core_process.py)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.inputs import AbortRequest, AddRequest, StopCore
+from engine.llm_engine import LLMEngine
+from engine.output_processor import StepOutput
+from engine.outputs import Gauges, StepStats
+from engine.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_SECONDS = 0.5  # how often an idle core re-checks its deadlines
+MAX_CONSECUTIVE_FAILURES = 3  # then the core stops and /ping turns 503
+
+CoreMessage = AddRequest | AbortRequest | StopCore
+
+
+@dataclass(frozen=True)
+class CoreUpdate:
+    """One step's news from the core: token ids, the gauges after it, its facts for metrics."""
+
+    outputs: list[StepOutput]
+    gauges: Gauges
+    stats: StepStats | None = None
+
+
+class EngineCore:
+    """schedule → run → postprocess in a loop; `receive(timeout)` returns the inbox's messages
+    (waiting up to timeout when it is empty; None: no wait), `publish` sends an update, and None
+    once after the last one."""
+
+    def __init__(self, engine: LLMEngine,
+                 receive: Callable[[float | None], list[CoreMessage]],
+                 publish: Callable[[CoreUpdate | None], None]) -> None:
+        self.engine = engine
+        self._receive = receive
+        self._publish = publish
+        self._deadlines: dict[str, float] = {}
+        self._stopping = False
+        self._failures = 0
+
+    def run(self) -> None:
+        try:
+            timeout: float | None = None
+            while not self._stopping:
+                self._apply(self._receive(timeout))
+                self._expire(time.monotonic())
+                timeout = self._step_once()
+        except Exception:
+            logger.exception("engine core crashed")
+        finally:
+            self._end_all("the engine loop stopped")
+
+    def _step_once(self) -> float | None:
+        """One step if there is work; returns how long the next receive may wait."""
+        engine = self.engine
+        if not engine.has_unfinished():
+            return IDLE_POLL_SECONDS
+        start = time.perf_counter()
+        outputs = self._step()
+        if engine.last_batch is None:  # nothing could run: wait for time or input
+            self._send(outputs, force=False)
+            hint = engine.scheduler.wait_hint()
+            return IDLE_POLL_SECONDS if hint is None else max(hint, 1e-4)
+        self._send(outputs, engine.last_step_stats(time.perf_counter() - start))
+        return None
+
+    def _step(self) -> list[StepOutput]:
+        try:
+            outputs = self.engine.step_outputs()
+        except Exception:
+            self._failures += 1
+            if self._failures >= MAX_CONSECUTIVE_FAILURES:
+                raise
+            # The failed batch's KV is not trustworthy: fail its requests, keep serving the rest.
+            logger.exception("engine step failed; failing the requests of that batch")
+            return self.engine.fail_last_batch("engine failure")
+        self._failures = 0
+        return outputs
+
+    def _apply(self, messages: list[CoreMessage]) -> None:
+        outputs = []
+        for message in messages:
+            if isinstance(message, AddRequest):
+                self.engine.add_validated(message.request_id, message.request)
+                if message.request.deadline is not None:
+                    self._deadlines[message.request_id] = message.request.deadline
+            elif isinstance(message, AbortRequest):
+                outputs += self._abort(message.request_id, message.reason, message.error)
+            else:
+                self._stopping = True
+        if messages:  # the gauges count what was just queued or freed
+            self._send(outputs)
+
+    def _expire(self, now: float) -> None:
+        expired = [rid for rid, t in self._deadlines.items() if t <= now]
+        self._send([out for rid in expired
+                    for out in self._abort(rid, FinishReason.TIMEOUT, "predict_timeout exceeded")],
+                   force=False)
+
+    def _abort(self, request_id: str, reason: FinishReason,
+               error: str | None) -> list[StepOutput]:
+        output = self.engine.abort(request_id, reason, error)
+        self._deadlines.pop(request_id, None)
+        return [output] if output else []
+
+    def _send(self, outputs: list[StepOutput], stats: StepStats | None = None,
+              force: bool = True) -> None:
+        if not (outputs or stats or force):
+            return
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._deadlines.pop(out.request_id, None)
+        self._publish(CoreUpdate(outputs, self.engine.gauges(), stats))
+
+    def _end_all(self, error: str) -> None:
+        try:
+            self._send([out for rid in self.engine.request_ids()
+                        for out in self._abort(rid, FinishReason.ERROR, error)], force=False)
+        finally:
+            self._publish(None)
+
+
+class ThreadCore:
+    """EngineCore on a thread of this process; the inbox and outbox are in-memory queues."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.initial_gauges = engine.gauges()
+        self._inbox: queue.SimpleQueue[CoreMessage] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[CoreUpdate | None] = queue.SimpleQueue()
+        core = EngineCore(engine, self._take, self._outbox.put)
+        self._thread = threading.Thread(target=core.run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, message: CoreMessage) -> None:
+        self._inbox.put(message)
+
+    def receive(self) -> CoreUpdate | None:
+        return self._outbox.get()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _take(self, timeout: float | None) -> list[CoreMessage]:
+        messages = []
+        try:
+            if timeout is not None:
+                messages.append(self._inbox.get(timeout=timeout))
+            while True:
+                messages.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return messages

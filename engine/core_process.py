@@ -1,0 +1,147 @@
+"""The engine core in a process of its own: its GIL serves the model alone.
+
+The serving process keeps HTTP, tokenization and detokenization; the core process (spawned, so
+CUDA initialises only there) loads the model and runs EngineCore. Messages cross two pipes as
+pickles, one inbox message per request or abort and one CoreUpdate per step (the whole batch's
+token ids at once), the way vLLM's V1 engine core and TGI's router/shard split do."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from engine.config import EngineConfig
+from engine.core import CoreMessage, CoreUpdate, EngineCore
+from engine.inputs import RequestLimits, StopCore
+from engine.outputs import Gauges
+
+logger = logging.getLogger(__name__)
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class CoreReady:
+    """The core loaded its model: what the serving side needs to validate and report."""
+
+    limits: RequestLimits
+    gauges: Gauges
+
+
+@dataclass(frozen=True)
+class CoreFailed:
+    """The core could not load (the traceback is in the core's log)."""
+
+    message: str
+
+
+class ProcessCore:
+    """Spawns the core process, which loads the model meanwhile; wait_ready() before use."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        context = multiprocessing.get_context("spawn")
+        inbox_end, self._inbox = context.Pipe(duplex=False)
+        self._outbox, outbox_end = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=_core_main, name="engine-core", daemon=True,
+            args=(config, inbox_end, outbox_end, logging.getLogger().getEffectiveLevel()))
+        self._process.start()
+        inbox_end.close()  # only the child holds these now: its death reads as EOF here
+        outbox_end.close()
+        self._send_lock = threading.Lock()  # request threads send concurrently
+
+    def wait_ready(self) -> None:
+        """Block until the core has loaded its model; raises RuntimeError if it could not."""
+        first = self.receive()
+        if not isinstance(first, CoreReady):
+            self.join(5)
+            reason = first.message if isinstance(first, CoreFailed) else (
+                f"it exited with code {self._process.exitcode}")
+            raise RuntimeError(f"the engine core process did not start: {reason}")
+        self.limits, self.initial_gauges = first.limits, first.gauges
+
+    def start(self) -> None:
+        """The core steps as soon as it is ready; nothing to do."""
+
+    def send(self, message: CoreMessage) -> None:
+        with self._send_lock:
+            try:
+                self._inbox.send(message)
+            except OSError:  # the core is gone; receive() reports it
+                pass
+
+    def receive(self) -> CoreUpdate | CoreReady | CoreFailed | None:
+        try:
+            return self._outbox.recv()
+        except (EOFError, OSError):
+            return None
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    def terminate(self) -> None:
+        """Stop the core now (e.g. the serving side failed while it was loading)."""
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(2)
+
+    def join(self, timeout: float) -> bool:
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.warning("engine core process did not stop within %.0f s; terminating", timeout)
+            self._process.terminate()
+            self._process.join(2)
+            return False
+        return True
+
+
+class _Pipes:
+    """The child's ends; a vanished front reads as StopCore, and sends to it are dropped."""
+
+    def __init__(self, inbox: Connection, outbox: Connection) -> None:
+        self._inbox, self._outbox = inbox, outbox
+        self._front_gone = False
+
+    def receive(self, timeout: float | None) -> list[CoreMessage]:
+        if self._front_gone:
+            return [StopCore()]
+        messages: list[CoreMessage] = []
+        try:
+            if timeout is not None and not self._inbox.poll(timeout):
+                return messages
+            while self._inbox.poll(0):
+                messages.append(self._inbox.recv())
+        except (EOFError, OSError):
+            self._front_gone = True
+            messages.append(StopCore())
+        return messages
+
+    def publish(self, update: CoreUpdate | CoreReady | CoreFailed | None) -> None:
+        if self._front_gone:
+            return
+        try:
+            self._outbox.send(update)
+        except OSError:
+            self._front_gone = True
+
+
+def _core_main(config: EngineConfig, inbox: Connection, outbox: Connection,
+               log_level: int) -> None:
+    logging.basicConfig(level=log_level, format=_LOG_FORMAT)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the front stops us, after its grace period
+        signal.signal(signum, signal.SIG_IGN)
+    pipes = _Pipes(inbox, outbox)
+    from engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine.from_config(config)
+    except Exception as err:
+        logger.exception("engine core: model loading failed")
+        pipes.publish(CoreFailed(f"{type(err).__name__}: {err}"))
+        return
+    pipes.publish(CoreReady(engine.limits, engine.gauges()))
+    EngineCore(engine, pipes.receive, pipes.publish).run()

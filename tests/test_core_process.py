@@ -1,0 +1,128 @@
+"""The engine core in its own process: same tokens as the core thread, aborts, deadlines and
+stop strings across the pipes, and a dead core fails its requests and turns /ping 503."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from engine import (
+    EngineClient,
+    EngineConfig,
+    EngineDeadError,
+    GenerationRequest,
+    RequestError,
+    SamplingParams,
+)
+from handler.config.serving_config import ServingConfig
+from handler.http.app import create_app
+from handler.http.state import ServerState
+from tests.engine_harness import MAX_MODEL_LEN, greedy, make_engine
+from tests.models_fixtures import build_tiny_model
+
+PROMPTS = [(5, 6, 7, 8), (9, 10, 11), tuple(range(20, 40))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("core-process-model"))
+
+
+def config(model_dir, batching: str = "paged") -> EngineConfig:
+    return EngineConfig(model=str(model_dir), batching=batching, max_num_seqs=4,
+                        dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def in_process(model_dir):
+    client = EngineClient.from_config(config(model_dir), max_queued=8, process=True)
+    client.start()
+    yield client
+    client.shutdown(grace_seconds=0)
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
+def run_all(client: EngineClient, params: list[SamplingParams]) -> list[list]:
+    handles = client.submit_all([GenerationRequest(p, sp)
+                                 for p, sp in zip(PROMPTS, params, strict=True)])
+    return [list(handle.events()) for handle in handles]
+
+
+def test_the_core_process_streams_the_same_tokens_and_text_as_the_core_thread(
+        model_dir, in_process) -> None:
+    params = [greedy(12), greedy(5), SamplingParams(max_new_tokens=9, do_sample=True, seed=7,
+                                                    top_k=20, ignore_eos=True)]
+    thread = EngineClient(make_engine(model_dir, "paged"), max_queued=8)
+    thread.start()
+    try:
+        expected = run_all(thread, params)
+    finally:
+        thread.shutdown(grace_seconds=0)
+    got = run_all(in_process, params)
+    assert [[e.token_id for e in run] for run in got] == [[e.token_id for e in run]
+                                                          for run in expected]
+    assert ["".join(e.text for e in run) for run in got] == ["".join(e.text for e in run)
+                                                           for run in expected]
+    assert [run[-1].finish_reason for run in got] == ["length"] * 3
+    wait_until(lambda: in_process.gauges().kv_blocks_used == 0)
+    assert in_process.gauges().num_in_flight == 0 and in_process.gauges().alive
+
+
+def test_validation_abort_deadline_and_stop_cross_the_pipes(in_process) -> None:
+    with pytest.raises(RequestError, match=f"<= {MAX_MODEL_LEN}"):
+        in_process.submit(GenerationRequest((5,), greedy(MAX_MODEL_LEN)))
+    long = in_process.submit(GenerationRequest(PROMPTS[0], greedy(80)))
+    events = long.events()
+    next(events)
+    long.abort()
+    assert list(events)[-1].finish_reason == "abort"
+    late = in_process.submit(GenerationRequest(PROMPTS[1], greedy(80), time.monotonic() + 0.2))
+    timed_out = list(late.events())[-1]
+    assert timed_out.finish_reason == "timeout" and "predict_timeout" in timed_out.error
+    free = "".join(e.text for e in in_process.submit(
+        GenerationRequest(PROMPTS[2], greedy(16))).events())
+    stop = free[4:6]
+    stopped = list(in_process.submit(GenerationRequest(PROMPTS[2], SamplingParams(
+        max_new_tokens=16, ignore_eos=True, stop=(stop,)))).events())
+    assert "".join(e.text for e in stopped) == free[:free.index(stop)]
+    assert stopped[-1].finish_reason == "stop_sequence"
+    wait_until(lambda: in_process.gauges().kv_blocks_used == 0)
+
+
+def test_a_killed_core_fails_in_flight_requests_and_ping_turns_503(model_dir) -> None:
+    state = ServerState(ServingConfig(engine=config(model_dir, "continuous")))
+    state.serve(EngineClient.from_config(state.config.engine, 8, process=True))
+    app = create_app(state).test_client()
+    assert app.get("/ping").status_code == 200
+    handle = state.engine.submit(GenerationRequest(PROMPTS[0], greedy(80)))
+    events = handle.events()
+    next(events)
+    os.kill(state.engine._loop._core._process.pid, signal.SIGKILL)
+    last = list(events)[-1]  # ends, never hangs
+    assert last.finish_reason == "error" and last.error == "the engine loop stopped"
+    wait_until(lambda: app.get("/ping").status_code == 503, timeout=5)
+    with pytest.raises(EngineDeadError):
+        state.engine.submit(GenerationRequest(PROMPTS[0], greedy(3)))
+    state.shutdown(grace_seconds=0)
+
+
+def test_a_core_that_cannot_load_fails_start_up_with_its_reason(model_dir, tmp_path) -> None:
+    broken = tmp_path / "no-weights"
+    shutil.copytree(model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(RuntimeError, match="engine core process did not start: .*safetensors"):
+        EngineClient.from_config(config(broken), max_queued=1, process=True)
+    assert {p.pid for p in multiprocessing.active_children()} <= before  # none left behind
