@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.kernels as kernels
 from engine import SamplingParams
+from engine.sampler import sample
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 
@@ -111,3 +112,30 @@ def test_step_buffer_stays_put_across_steps(tiny) -> None:
         engine.step()
         pointers.add((buffer.host.data_ptr(), buffer.dev.data_ptr()))
     assert len(pointers) == 1
+
+
+@pytest.mark.parametrize("params", [[GREEDY] * 3, PROCESSED], ids=["greedy", "processed"])
+def test_the_decode_forward_and_sampler_trace_as_one_graph(tiny, params) -> None:
+    """What CUDA graphs and torch.compile need: TorchDynamo traces the decode forward and the
+    batched sampler (up to its one download) with no graph break, i.e. no host sync inside.
+    The GPU's path: aten linears, no C kernels (those are CPU-only calls across ctypes)."""
+    engine = make_engine(tiny, "paged", attention_backend="reference", linear_backend="aten")
+    engine.runner.model.use_fused_cpu_ops(None)
+    engine.runner.sampler.greedy = None
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", [5, 6, 7, 8 + i], p)
+    engine.step()
+    runner = engine.runner
+    views, meta, _, plan = runner._prepare(engine.scheduler.schedule())
+    input_ids, positions, _ = views["tokens"]
+
+    def decode(input_ids, positions, kv_cache):
+        hidden = runner.model(input_ids, positions, meta, kv_cache)
+        logits = runner.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+        return sample(logits, plan, views)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(decode)(input_ids, positions, runner.kv_cache)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
