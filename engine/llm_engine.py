@@ -57,6 +57,7 @@ class LLMEngine:
         # Imported here so that `import engine` (the handler choosing a strategy) skips torch.
         from engine.attention.check import prepare_attention
         from engine.attention.select import select_attention_backend
+        from engine.decode_graphs_setup import prepare_decode_graphs
         from engine.model_runner import ModelRunner
         from engine.models.cpu_fused import fused_ops_for
         from engine.models.linear import pack_model_linears
@@ -80,6 +81,7 @@ class LLMEngine:
             ops = fused_ops_for(model, dtype, runner.attention.name)
             model.use_fused_cpu_ops(ops)
             runner.sampler.greedy = ops.greedy if ops is not None else None
+        prepare_decode_graphs(runner, config.enforce_eager, config.max_num_seqs, max_model_len)
         eos = eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
                     device, dtype, config.batching, max_model_len)

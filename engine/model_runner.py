@@ -19,6 +19,7 @@ from engine.attention.reference import (
     causal_mask,
     page_size_for,
 )
+from engine.decode_graphs import PaddedDecode
 from engine.models.spec import ModelSpec
 from engine.outputs import SampledToken
 from engine.phases import NoPhases, StepPhases
@@ -42,9 +43,20 @@ class ModelRunner:
         self.sampler = Sampler()  # LLMEngine gives it the CPU greedy kernel where it fits
         self.buffer = StepBuffer(device)
         self.phases: StepPhases | NoPhases = NoPhases()  # LLMEngine.measure_phases sets it
-        # [layers, 2, num_blocks * block_size, num_kv_heads, head_dim]; zeroed so padding is finite
-        self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads,
-                                    spec.head_dim, dtype=dtype, device=device)
+        # [layers, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim]; zeroed so padding
+        # is finite. The last block is scratch: no sequence owns it; padding rows write there.
+        self.kv_cache = torch.zeros(spec.num_layers, 2, (num_blocks + 1) * block_size,
+                                    spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+        self.scratch_slot = num_blocks * block_size
+        self.padded_decode: PaddedDecode | None = None  # enable_padded_decode() sets it
+
+    def enable_padded_decode(self, max_batch: int, max_model_len: int) -> PaddedDecode:
+        """Run pure decode steps padded to batch and width buckets over static buffers (what CUDA
+        graphs replay; engine/decode_graphs.py)."""
+        max_pages = -(-max_model_len // self.page_size)
+        self.padded_decode = PaddedDecode(self.model, self.kv_cache, self.scratch_slot,
+                                          self.page_size, max_batch, max_pages)
+        return self.padded_decode
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -53,16 +65,20 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
         """Forward the batch's scheduled tokens; sample for sequences that caught up."""
-        views, meta, sampled, plan = self._prepare(batch)
+        padded = self._padded(batch)
+        views, meta, sampled, plan = self._prepare(batch, describe=not padded)
         self.phases.mark("prepare")
-        # [num_tokens, hidden]
-        input_ids, positions, _ = views["tokens"]  # [N] each
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)
         out: list[SampledToken | None] = [None] * len(batch.seqs)
-        if not sampled:
-            self.phases.mark("forward")
-            return out
-        logits = self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+        if padded:  # [S, vocab] float32, S = every row
+            logits = self.padded_decode.run(views["tokens"], views["decode"],
+                                            views["decode_pages"])
+        else:
+            input_ids, positions, _ = views["tokens"]  # [N] each
+            hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [N, hidden]
+            if not sampled:
+                self.phases.mark("forward")
+                return out
+            logits = self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
         self.phases.mark("forward")  # [S, vocab] float32
         for i, token in zip(sampled, self.sampler(logits, plan, views), strict=True):
             out[i] = token
@@ -73,8 +89,20 @@ class ModelRunner:
         """What attention sees for `batch` (start-up checks and tests drive backends with it)."""
         return self._prepare(batch)[1]
 
-    def _prepare(self, batch: ScheduledBatch):
-        """Pack the step on the host, upload it once, and describe it for attention."""
+    def _padded(self, batch: ScheduledBatch) -> bool:
+        """A pure decode step (every row one token, every row sampled) that fits a bucket."""
+        if self.padded_decode is None:
+            return False
+        widest = 0
+        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+                return False
+            widest = max(widest, seq.num_tokens)
+        return self.padded_decode.fits(len(batch.seqs), -(-widest // self.page_size))
+
+    def _prepare(self, batch: ScheduledBatch, describe: bool = True):
+        """Pack the step on the host, upload it once, and describe it for attention (unless
+        the padded decode path, which describes itself, runs it)."""
         buffer, bs = self.buffer, self.block_size
         buffer.reset()
         ids: list[int] = []
@@ -106,7 +134,7 @@ class ModelRunner:
         page_spans = self._stage_prefill_pages(prefills)
         plan = self.sampler.stage([batch.seqs[i] for i in sampled], buffer) if sampled else None
         views = buffer.upload()
-        meta = self._metadata(views, decodes, prefills, page_spans)
+        meta = self._metadata(views, decodes, prefills, page_spans) if describe else None
         return views, meta, sampled, plan
 
     def _pages(self, block_table: list[int], context: int) -> list[int]:

@@ -1,0 +1,155 @@
+"""Decode steps padded to fixed shapes over static buffers: what a CUDA graph replays.
+
+A pure decode step of B sequences whose contexts span W pages runs as the bucket (Bp, Wp): the
+smallest batch bucket >= B and power-of-two page width >= W. Its inputs live in static tensors
+(fixed addresses, as graph replay needs); the B real rows are copied in and the padding rows
+point at the scratch block, the one block of the KV pool no sequence ever owns, so they write
+and read only there. Decode attention is the reference's gather + SDPA over one group, whose
+shapes depend on (Bp, Wp) alone.
+
+On CUDA each bucket is captured as a CUDA graph after a start-up check against the eager path
+(see check_padded_decode); elsewhere the same padded computation runs eagerly, which is how CI
+proves that padding never changes a token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from engine.attention.reference import AttentionMetadata, DecodeGroup, ReferenceAttention
+
+logger = logging.getLogger(__name__)
+
+# Most KV tokens one padded step gathers (rows x width x page): bigger buckets run eagerly, so
+# the largest graph's gather buffers stay bounded (32 rows of 4,096 tokens).
+MAX_PADDED_TOKENS = 2**17
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, 48, 64, ... up to max_batch (which is always the last bucket)."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch]
+    sizes += list(range(48, max_batch, 16))
+    return [*sizes, max_batch]
+
+
+def width_buckets(max_pages: int) -> list[int]:
+    """Powers of two up to max_pages (always the last bucket)."""
+    sizes, w = [], 1
+    while w < max_pages:
+        sizes.append(w)
+        w *= 2
+    return [*sizes, max_pages]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+class PaddedDecode:
+    """Static inputs for every bucket, and the padded forward that a graph captures."""
+
+    def __init__(self, model, kv_cache: torch.Tensor, scratch_slot: int, page_size: int,
+                 max_batch: int, max_pages: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.page_size = page_size
+        self.batch_buckets = batch_buckets(max_batch)
+        self.width_buckets = width_buckets(max_pages)
+        self.scratch_page = scratch_slot // page_size
+        device = kv_cache.device
+        # [5, max_batch]: token id, position, slot, context length, first visible position.
+        # Padding rows: token 0 at position 0, written to the scratch slot, seeing only it.
+        self.pad_rows = torch.tensor([[0], [0], [scratch_slot], [1], [0]], device=device)
+        self.inputs = self.pad_rows.repeat(1, max_batch)
+        # [max_batch, max_pages]: each row's pages, padded with the scratch page
+        self.pages = torch.full((max_batch, max_pages), self.scratch_page, device=device)
+        self.rows = torch.arange(max_batch, device=device)  # [max_batch]
+        self.positions = torch.arange(max_pages * page_size, device=device)  # [T]
+        self.attention = ReferenceAttention()
+        self.graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+
+    def bucket(self, batch_size: int, width: int) -> tuple[int, int] | None:
+        b, w = bucket_for(batch_size, self.batch_buckets), bucket_for(width, self.width_buckets)
+        if b is None or w is None or b * w * self.page_size > MAX_PADDED_TOKENS:
+            return None
+        return b, w
+
+    def all_buckets(self) -> list[tuple[int, int]]:
+        """Every bucket a step may run as, largest first."""
+        return [(b, w) for b in reversed(self.batch_buckets)
+                for w in reversed(self.width_buckets) if self.bucket(b, w) == (b, w)]
+
+    def run(self, tokens: torch.Tensor, decode: torch.Tensor, pages: torch.Tensor
+            ) -> torch.Tensor:
+        """tokens [3, B], decode [4, B] and pages [B, W] as the runner uploaded them →
+        logits [B, vocab] of the B real rows."""
+        batch_size, width = pages.shape
+        bucket = self.bucket(batch_size, width)
+        assert bucket is not None, "the runner checks fits() first"
+        self.stage(tokens, decode, pages, bucket)
+        forward = self.graphs.get(bucket)
+        logits = forward() if forward is not None else self.forward(*bucket)
+        return logits[:batch_size]
+
+    def fits(self, batch_size: int, width: int) -> bool:
+        return self.bucket(batch_size, width) is not None
+
+    def stage(self, tokens: torch.Tensor, decode: torch.Tensor, pages: torch.Tensor,
+              bucket: tuple[int, int]) -> None:
+        """Copy the real rows into the static inputs; the rest of the bucket is padding."""
+        (batch_size, width), (padded, padded_width) = pages.shape, bucket
+        self.inputs[:3, :batch_size].copy_(tokens)
+        self.inputs[3:, :batch_size].copy_(decode[1:3])  # context length, first visible
+        self.inputs[:, batch_size:padded].copy_(self.pad_rows.expand(-1, padded - batch_size))
+        self.pages[:batch_size, :width].copy_(pages)
+        self.pages[:batch_size, width:padded_width].fill_(self.scratch_page)
+        self.pages[batch_size:padded, :padded_width].fill_(self.scratch_page)
+
+    def forward(self, padded: int, padded_width: int) -> torch.Tensor:
+        """The padded step from the static inputs → logits [padded, vocab]; no host sync."""
+        ids, positions, slots, ctx, lo = self.inputs[:, :padded]  # [padded] each
+        pages = self.pages[:padded, :padded_width]  # [padded, padded_width]
+        pos = self.positions[:padded_width * self.page_size]  # [T]
+        visible = ((pos < ctx[:, None]) & (pos >= lo[:, None]))[:, None, None, :]  # [Bp,1,1,T]
+        rows = self.rows[:padded]
+        meta = AttentionMetadata(
+            slot_mapping=slots, page_size=self.page_size, decode_token_idx=rows,
+            decode_pages=pages, decode_mask=visible, prefills=(), backend=self.attention,
+            backend_state=(DecodeGroup(rows, pages, visible),))
+        hidden = self.model(ids, positions, meta, self.kv_cache)  # [padded, hidden]
+        return self.model.compute_logits(hidden)
+
+
+# Largest |padded - eager| logit difference allowed, by dtype: padding changes no value, but
+# a graph or a different batch shape may sum in another order.
+LOGIT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.25, torch.bfloat16: 0.5}
+
+
+def capture_cuda_graphs(padded: PaddedDecode, vocab_size: int) -> int:
+    """Capture one CUDA graph per (batch, width) bucket, largest first, sharing one memory
+    pool; returns how many. Logits land in one static [max_batch, vocab] buffer."""
+    logits_out = torch.empty(padded.batch_buckets[-1], vocab_size, device=padded.kv_cache.device)
+    side, pool = torch.cuda.Stream(), None
+    with torch.inference_mode():
+        for batch, width in padded.all_buckets():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: lazy initialisation off the graph
+                padded.forward(batch, width)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits_out[:batch].copy_(padded.forward(batch, width))
+            pool = graph.pool()
+            padded.graphs[(batch, width)] = _replayer(graph, logits_out[:batch])
+    torch.cuda.synchronize()
+    return len(padded.graphs)
+
+
+def _replayer(graph, logits: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return logits
+    return replay

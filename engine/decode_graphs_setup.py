@@ -1,0 +1,81 @@
+"""Start-up of the padded decode path: on CUDA, capture its graphs and check them against the
+eager step before /ping turns 200; on any failure or disagreement, log why and run eagerly."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.decode_graphs import LOGIT_TOLERANCE, capture_cuda_graphs
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler.base import ScheduledBatch
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_num_seqs: int,
+                          max_model_len: int) -> bool:
+    """CUDA graphs for pure decode steps unless `enforce_eager`; returns whether they are on."""
+    if runner.device.type != "cuda":
+        return False
+    if enforce_eager:
+        logger.info("CUDA graphs off (option.enforce_eager=true): every step runs eagerly")
+        return False
+    padded = runner.enable_padded_decode(max_num_seqs, max_model_len)
+    started = time.monotonic()
+    try:
+        count = capture_cuda_graphs(padded, runner.spec.vocab_size)
+        error = check_padded_decode(runner)
+    except Exception as err:  # capture unsupported here, or the graphs disagree with eager
+        logger.warning("CUDA graphs for decode are off, decode steps run eagerly: %s", err)
+        runner.padded_decode = None
+        runner.kv_cache.zero_()
+        return False
+    logger.info("CUDA graphs: %d decode graphs (batch buckets %s, up to %d pages of %d tokens) "
+                "captured and checked in %.1f s; max logit difference to eager %.3g", count,
+                padded.batch_buckets, padded.width_buckets[-1], padded.page_size,
+                time.monotonic() - started, error)
+    return True
+
+
+def check_padded_decode(runner: ModelRunner) -> float:
+    """Max |padded - eager| logit over a synthetic decode step of rows with different
+    contexts (a bucket with padding rows); raises AssertionError past the dtype's tolerance.
+    Uses the empty pool's first blocks and zeroes the pool afterwards."""
+    padded = runner.padded_decode
+    assert padded is not None, "enable_padded_decode() first"
+    bs, page = runner.block_size, runner.page_size
+    free = list(range(runner.scratch_slot // bs))[::-1]  # every block but the scratch one
+    generator = torch.Generator().manual_seed(0)
+    seqs = []
+    for ctx in (5, bs + 3, 3 * bs + 1)[:padded.batch_buckets[-1]]:
+        need = -(-ctx // bs)
+        if need > len(free) or not padded.fits(len(seqs) + 1, -(-ctx // page)):
+            break
+        ids = torch.randint(0, runner.spec.vocab_size, (ctx,), generator=generator).tolist()
+        seq = Sequence(len(seqs), ids, SamplingParams())
+        seq.num_computed_tokens = ctx - 1
+        seq.block_table, free = free[:need], free[need:]
+        seqs.append(seq)
+    assert seqs, "the pool or max_model_len is too small for one decode row"
+    batch = ScheduledBatch(tuple(seqs), (1,) * len(seqs))
+    cache = runner.kv_cache
+    cache.normal_(generator=torch.Generator(cache.device).manual_seed(0))  # stands for context
+    try:
+        with torch.inference_mode():
+            views, meta, _, _ = runner._prepare(batch)
+            input_ids, positions, _ = views["tokens"]
+            hidden = runner.model(input_ids, positions, meta, cache)
+            eager = runner.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+            views = runner._prepare(batch, describe=False)[0]
+            graphed = padded.run(views["tokens"], views["decode"], views["decode_pages"])
+            error = (graphed - eager).abs().max().item()
+    finally:
+        cache.zero_()
+    limit = LOGIT_TOLERANCE[cache.dtype]
+    assert error <= limit, f"padded decode differs from eager by {error:.3g} (> {limit:g})"
+    return error

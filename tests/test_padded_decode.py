@@ -1,0 +1,132 @@
+"""The graph-shaped decode path on CPU: the static buffers, bucket padding and scratch block that
+CUDA graphs replay, run eagerly here and compared with the plain path (#17 item 5)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.decode_graphs import batch_buckets, width_buckets
+from engine.decode_graphs_setup import check_padded_decode, prepare_decode_graphs
+from tests.engine_harness import MAX_MODEL_LEN, Req, drive, greedy, hf_greedy, make_engine
+from tests.models_fixtures import build_tiny_model
+
+STRATEGIES = ["none", "dynamic", "continuous", "paged"]
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def tiny(request, tmp_path_factory):
+    """(model dir, staggered requests) for an architecture with and without a sliding window."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 5, 17, 33, 9)]
+    new_tokens = [12, 30, 16, 7, 40]
+    refs = [hf_greedy(model, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
+    return path, prompts, new_tokens, refs
+
+
+def padded_engine(path, batching: str, **overrides):
+    engine = make_engine(path, batching, **overrides)
+    padded = engine.runner.enable_padded_decode(engine.config.max_num_seqs, MAX_MODEL_LEN)
+    calls = []
+    run = padded.run
+    padded.run = lambda *args: calls.append(args[2].shape) or run(*args)
+    return engine, calls
+
+
+def requests(prompts, new_tokens, sampled: bool = False) -> list[Req]:
+    arrivals = [0, 0, 2, 5, 6]
+    reqs = [Req(f"r{i}", p, greedy(n), a)
+            for i, (p, n, a) in enumerate(zip(prompts, new_tokens, arrivals, strict=True))]
+    if sampled:
+        reqs[1].params = SamplingParams(max_new_tokens=30, do_sample=True, seed=5, top_k=40,
+                                        top_p=0.9, temperature=0.7, ignore_eos=True)
+        reqs[4].params = SamplingParams(max_new_tokens=40, repetition_penalty=1.2,
+                                        ignore_eos=True)
+    return reqs
+
+
+@pytest.mark.parametrize("batching", STRATEGIES)
+def test_padded_decode_equals_transformers_in_every_strategy(tiny, batching) -> None:
+    path, prompts, new_tokens, refs = tiny
+    engine, calls = padded_engine(path, batching)
+    reqs = requests(prompts, new_tokens)
+    drive(engine, reqs)
+    assert [r.tokens for r in reqs] == refs
+    assert calls, "no step took the padded path"
+    if batching != "none":  # batches of 3 and 5 rows ran padded to buckets 4 and 8
+        assert {rows for rows, _ in calls} - {1, 2, 4}
+
+
+@pytest.mark.parametrize("batching", ["continuous", "paged"])
+def test_padded_decode_equals_the_plain_path_for_sampled_rows(tiny, batching) -> None:
+    path, prompts, new_tokens, _ = tiny
+    plain = requests(prompts, new_tokens, sampled=True)
+    drive(make_engine(path, batching), plain)
+    engine, calls = padded_engine(path, batching)
+    padded = requests(prompts, new_tokens, sampled=True)
+    drive(engine, padded)
+    assert [r.tokens for r in padded] == [r.tokens for r in plain] and calls
+
+
+def test_padding_rows_write_only_the_scratch_block_and_buffers_stay_put(tiny) -> None:
+    path, _, _, _ = tiny
+    engine, calls = padded_engine(path, "paged", max_num_seqs=8)
+    for i in range(3):  # 3 rows: bucket 4, one padding row
+        engine.add_request(f"r{i}", [5, 6, 7 + i], greedy(10))
+    engine.step()  # the prompts
+    padded, runner = engine.runner.padded_decode, engine.runner
+    pointers = {(padded.inputs.data_ptr(), padded.pages.data_ptr())}
+    scratch = []
+    for _ in range(4):
+        before = runner.kv_cache.clone()
+        slots = [s.block_table[s.num_computed_tokens // 16] * 16 + s.num_computed_tokens % 16
+                 for s in engine.scheduler.running]
+        engine.step()
+        changed = (runner.kv_cache != before).flatten(3).any(-1).any(0).any(0)  # [slots]
+        written = set(changed.nonzero().flatten().tolist())
+        assert written <= {*slots, runner.scratch_slot} and set(slots) <= written
+        scratch.append(runner.scratch_slot in written)
+        pointers.add((padded.inputs.data_ptr(), padded.pages.data_ptr()))
+    # Padding rows write the same key and value each step: the slot changes the first time.
+    assert scratch == [True, False, False, False], scratch
+    assert len(pointers) == 1 and calls[-1] == (3, 1)
+
+
+def test_buckets_cover_every_batch_and_width() -> None:
+    assert batch_buckets(1) == [1] and batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+    assert width_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128] and width_buckets(6)[-1] == 6
+
+
+def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty(tiny) -> None:
+    path, _, _, _ = tiny
+    engine = make_engine(path, "paged")
+    runner = engine.runner
+    assert not prepare_decode_graphs(runner, False, 4, MAX_MODEL_LEN)  # CPU: no graphs
+    assert runner.padded_decode is None
+    runner.enable_padded_decode(4, MAX_MODEL_LEN)
+    assert check_padded_decode(runner) < 1e-3
+    assert not runner.kv_cache.any()
+    broken = runner.padded_decode.forward
+    runner.padded_decode.forward = lambda b, w: broken(b, w) + 1.0  # a graph that disagrees
+    with pytest.raises(AssertionError, match="padded decode differs from eager"):
+        check_padded_decode(runner)
+
+
+def test_the_padded_forward_traces_as_one_graph(tiny) -> None:
+    """What torch.cuda.graph captures: no host sync, no graph break (GPU path: aten linears)."""
+    path, _, _, _ = tiny
+    engine = make_engine(path, "paged", linear_backend="aten")
+    engine.runner.model.use_fused_cpu_ops(None)
+    padded = engine.runner.enable_padded_decode(8, MAX_MODEL_LEN)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(padded.forward)(8, 4)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
