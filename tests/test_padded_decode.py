@@ -130,3 +130,20 @@ def test_the_padded_forward_traces_as_one_graph(tiny) -> None:
     with torch.no_grad():
         explained = torch._dynamo.explain(padded.forward)(8, 4)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batching", STRATEGIES)
+def test_cuda_graphs_are_captured_checked_and_exact(tiny, batching) -> None:
+    path, prompts, new_tokens, _ = tiny
+    eager = requests(prompts, new_tokens)
+    drive(make_engine(path, batching, device="cuda", enforce_eager=True), eager)
+    engine = make_engine(path, batching, device="cuda")
+    graphs = engine.runner.padded_decode.graphs
+    assert graphs, "no CUDA graph was captured"
+    replayed = []
+    for bucket, replay in list(graphs.items()):
+        graphs[bucket] = lambda r=replay, b=bucket: replayed.append(b) or r()
+    reqs = requests(prompts, new_tokens)
+    drive(engine, reqs)
+    assert [r.tokens for r in reqs] == [r.tokens for r in eager] and replayed
