@@ -126,7 +126,9 @@ class LLMEngine:
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None) -> StepOutput | None:
-        """End a request now and free its KV; returns its final output (None if unknown)."""
+        """End a request now and free its KV; returns its final output (None if unknown).
+        Offline, step() reports nothing more for it: its caller ended it."""
+        self.output_processor.discard(request_id)
         seq_id = self._ids.get(request_id)
         if seq_id is None:
             return None
