@@ -9,9 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import ATTENTION_BACKENDS, DEVICES, LINEAR_BACKENDS, NATIVE_ARCHITECTURES, EngineConfig
+from handler.config.key_policy import POLICY_KEYS, apply_key_policy
+from handler.config.lmi_options import (
+    INPUT_FORMATTERS,
+    MAX_WORKERS,
+    OUTPUT_FORMATTERS,
+    LmiOptions,
+    check_entry_point,
+    check_formatter,
+)
 from handler.config.properties import (
     ENGINE_KEYS,
-    IGNORED_KEYS,
     SERVER_KEYS,
     ConfigError,
     Setting,
@@ -39,6 +47,7 @@ class ServingConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     model_id: str | None = None
     strategy_reason: str = "default"
+    lmi: LmiOptions = field(default_factory=LmiOptions)
     settings: Mapping[str, Setting] = field(default_factory=dict, compare=False)
 
     def describe(self) -> str:
@@ -152,6 +161,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
                          architectures: list[str]) -> ServingConfig:
     """Validate every setting and pick the strategy; raises ConfigError on the first bad one."""
     _warn_unknown(settings)
+    apply_key_policy(settings)
     r = _Reader(settings)
     batch_size = r.integer("batch_size", 1)
     strategy, why = select_strategy(r, batch_size, architectures)
@@ -188,14 +198,35 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
         engine=engine, job_queue_size=r.integer("job_queue_size", 1000, 0),
         predict_timeout=r.number("option.predict_timeout", 120.0, 0.001),
         max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
-        model_id=model_id_setting(settings), strategy_reason=why, settings=dict(settings))
+        model_id=model_id_setting(settings), strategy_reason=why,
+        lmi=read_lmi_options(r, model_dir), settings=dict(settings))
+
+
+def read_lmi_options(r: _Reader, model_dir: Path) -> LmiOptions:
+    entry, handler = r.raw("option.entryPoint") or None, r.raw("option.handler") or "handle"
+    if entry is not None:
+        entry = check_entry_point(entry, model_dir, r.settings["option.entryPoint"].source)
+    if not handler.isidentifier():
+        r.fail("option.handler", "the name of a Python function")
+    formatters = {}
+    for key, builtins in (("option.input_formatter", INPUT_FORMATTERS),
+                          ("option.output_formatter", OUTPUT_FORMATTERS)):
+        value = r.raw(key)
+        formatters[key] = "json" if not value else check_formatter(
+            key, value, builtins, r.settings[key].source)
+    tgi = r.flag("option.tgi_compat", False) or formatters["option.output_formatter"] == "tgi"
+    # DJL's -1 means "as many as fit"; one call at a time is what a handler can always take.
+    workers = 1 if r.raw("maxWorkers") == "-1" else r.integer("maxWorkers", 1)
+    if workers > MAX_WORKERS:
+        r.fail("maxWorkers", f"an integer between 1 and {MAX_WORKERS} (or -1)")
+    return LmiOptions(entry_point=entry, handler=handler,
+                      input_formatter=formatters["option.input_formatter"],
+                      output_formatter="tgi" if tgi else formatters["option.output_formatter"],
+                      tgi_compat=tgi, max_workers=workers)
 
 
 def _warn_unknown(settings: Mapping[str, Setting]) -> None:
-    known = SERVER_KEYS | {f"option.{k}" for k in ENGINE_KEYS}
-    ignored = IGNORED_KEYS | {k.lower() for k in IGNORED_KEYS}
+    known = SERVER_KEYS | {f"option.{k}" for k in ENGINE_KEYS} | POLICY_KEYS
     for key, s in sorted(settings.items()):
-        if key in ignored:
-            logger.info("ignoring %s=%s (%s): not used by batchyard", key, s.value, s.source)
-        elif key not in known:
+        if key not in known:
             logger.warning("unknown key %s=%s (%s) is ignored", key, s.value, s.source)

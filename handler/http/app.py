@@ -12,21 +12,9 @@ from werkzeug.exceptions import HTTPException
 from engine import RequestError
 from handler.http import sagemaker_runtime
 from handler.http.chat import chat_completion, parse_chat
-from handler.http.generation import (
-    JSONLINES,
-    SSE,
-    chat_lines,
-    collect,
-    generate_lines,
-    stream_response,
-    submit,
-)
-from handler.http.schemas import (
-    HTTPError,
-    bad_request,
-    generation_dict,
-    parse_generate,
-)
+from handler.http.generate_route import serve_generate
+from handler.http.generation import JSONLINES, SSE, chat_lines, collect, stream_response, submit
+from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -104,23 +92,10 @@ def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None) ->
         raise HTTPError(503, "ServiceUnavailable", f"not ready: model is {state.status}")
     body = _read_body()
     accept = request.headers.get("Accept", "") if accept is None else accept
-    wants_stream = JSONLINES in accept or SSE in accept
-    sse = SSE in accept
     if chat_only or "messages" in body:
-        return _serve_chat(state, body, wants_stream=wants_stream, sse=sse, start=start)
-    gen = parse_generate(body, wants_stream=wants_stream)
-    prompts = [state.engine.encode(text) for text in gen.inputs]
-    handles = submit(state, prompts, gen.params, stream=gen.stream)
-    if gen.stream:
-        return stream_response(generate_lines(gen, handles[0]), handles[0], state, sse=sse,
-                               done_line=False, start=start)
-    try:
-        results = [generation_dict(collect(state, h, start), text, gen)
-                   for h, text in zip(handles, gen.inputs, strict=True)]
-    finally:
-        for handle in handles:  # no-op when finished; frees the rest when one input failed
-            handle.abort()
-    return _json(results if gen.is_list else results[0], 200)
+        return _serve_chat(state, body, wants_stream=JSONLINES in accept or SSE in accept,
+                           sse=SSE in accept, start=start)
+    return serve_generate(state, state.formatters.request(body), accept, start)
 
 
 def _serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine import EngineClient
 from handler.config.serving_config import ServingConfig
+from handler.http.formatters import Formatters
 from handler.http.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class ServerState:
         self.model_name = Path(config.engine.model).name
         self.status = "loading"
         self.client: EngineClient | None = None
+        self.formatters = Formatters(output_name=config.lmi.output_formatter)
         self._prepare_model = prepare_model
         self._on_load_failure = on_load_failure
         self._load_delay = load_delay  # test hook: makes the loading phase observable
