@@ -16,6 +16,8 @@ from handler.http.generate_route import serve_generate
 from handler.http.generation import JSONLINES, SSE, chat_lines, collect, stream_response, submit
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
+from handler.lmi.bridge import request_content, request_properties, row_response
+from handler.lmi.runner import RunnerFull
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +92,30 @@ def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None) ->
     start = time.monotonic()
     if not state.ready():
         raise HTTPError(503, "ServiceUnavailable", f"not ready: model is {state.status}")
-    body = _read_body()
+    if state.runner is not None:
+        return serve_custom(state)
+    body = state.formatters.request(_read_body())  # option.input_formatter
     accept = request.headers.get("Accept", "") if accept is None else accept
     if chat_only or "messages" in body:
         return _serve_chat(state, body, wants_stream=JSONLINES in accept or SSE in accept,
                            sse=SSE in accept, start=start)
-    return serve_generate(state, state.formatters.request(body), accept, start)
+    return serve_generate(state, body, accept, start)
+
+
+def serve_custom(state: ServerState) -> Response:
+    """The model folder's handler answers, as DJL Serving would run it."""
+    assert state.runner is not None
+    try:
+        row = state.runner.call(request_properties(request), request_content(request),
+                                timeout=state.config.predict_timeout)
+    except RunnerFull as err:
+        raise HTTPError(503, "QueueFull", f"too many requests in flight: {err}; raise "
+                        "job_queue_size or retry later", {"Retry-After": "1"}) from err
+    if row is None:
+        raise HTTPError(504, "TimeoutError", "request exceeded option.predict_timeout")
+    response = row_response(row)
+    state.metrics.requests.labels(str(response.status_code)).inc()
+    return response
 
 
 def _serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
