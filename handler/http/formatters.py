@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from handler.http.schemas import bad_request
+
 if TYPE_CHECKING:  # generation.py imports the server state, which holds Formatters
     from handler.http.generation import Lines
 
@@ -28,11 +30,18 @@ class Formatters:
     input_fn: BodyFn | None = None
 
     def request(self, body: dict) -> dict:
+        """The body as the input formatter reshapes it; its failure is the request's (400)."""
         if self.input_fn is None:
             return body
-        shaped = self.input_fn(body)
+        name = getattr(self.input_fn, "__name__", "input formatter")
+        try:
+            shaped = self.input_fn(body)
+        except Exception as err:
+            raise bad_request(f"option.input_formatter {name} refused the body: "
+                              f"{type(err).__name__}: {err}") from err
         if not isinstance(shaped, dict):
-            raise TypeError(f"input formatter returned {type(shaped).__name__}, not a dict")
+            raise bad_request(f"option.input_formatter {name} returned "
+                              f"{type(shaped).__name__}, not a JSON object")
         return shaped
 
     def whole(self, payload: object) -> tuple[str | bytes, str]:
