@@ -85,6 +85,10 @@ def test_moody_handler_errors_never_take_the_server_down(tmp_path) -> None:
         assert broken[0] == "first" and json.loads(broken[1])["error"] == "stream broke"
         assert invoke(srv.url, "finalized").text == "0"
         assert invoke(srv.url, "finalized").text == "1"  # ran after the first answer
+        sm = requests.post(f"{srv.url}/endpoints/any/invocations", data="raise", timeout=60)
+        assert sm.status_code == 424 and sm.headers["X-Amzn-ErrorType"] == "ModelError"
+        assert sm.json()["OriginalStatusCode"] == 424
+        assert "does not like" in json.loads(sm.json()["OriginalMessage"])["error"]
         assert requests.get(f"{srv.url}/ping", timeout=5).status_code == 200
         assert invoke(srv.url, "still here").text == "still here"
 

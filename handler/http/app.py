@@ -81,11 +81,14 @@ def create_app(state: ServerState) -> Flask:
 def _as_model_error(state: ServerState, call) -> Response:
     """Container errors as SageMaker reports them to boto3 (ModelError, 424)."""
     try:
-        return call()
+        response = call()
     except (HTTPError, HTTPException) as err:
         error = err if isinstance(err, HTTPError) else _from_werkzeug(state, err)
         _count(state, error)
         return sagemaker_runtime.model_error(error)
+    if response.status_code >= 400:  # a custom handler's own error answer
+        return sagemaker_runtime.model_error_from(response)
+    return response
 
 
 def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None) -> Response:
