@@ -57,3 +57,26 @@ def test_a_missing_formatter_function_fails_start_up(model_dir, tmp_path) -> Non
     with running_server(tmp_path, model_dir, props, wait_ready=False) as srv:
         assert srv.process.wait(timeout=90) != 0
     assert "option.output_formatter=not_there: model.py defines no such function" in srv.log()
+
+
+def custom_code(folder: Path, text: str):
+    from handler.config.properties import parse_properties
+    from handler.config.serving_config import build_serving_config
+    from handler.lmi.loader import load_custom_code
+
+    config = build_serving_config(parse_properties(text, "serving.properties"), folder, [])
+    return load_custom_code(config)
+
+
+def test_lmi_builtin_entry_point_keeps_the_engine_and_model_py_formatters(tmp_path) -> None:
+    shutil.copy(FORMATTERS / "model.py", tmp_path / "model.py")
+    code = custom_code(tmp_path, "option.entryPoint=djl_python.huggingface\n" + KEYS)
+    assert code.runner is None
+    assert code.formatters.request({"question": "q"})["inputs"] == "Q: q\nA:"
+
+
+def test_keys_the_chosen_mode_does_not_read_are_logged(tmp_path, caplog) -> None:
+    shutil.copy(FORMATTERS / "model.py", tmp_path / "model.py")
+    custom_code(tmp_path, "option.handler=predict\nmaxWorkers=4\n")
+    warned = " ".join(r.message for r in caplog.records)
+    assert "option.handler has no effect" in warned and "maxWorkers has no effect" in warned

@@ -31,17 +31,34 @@ def load_custom_code(config: ServingConfig) -> CustomCode:
     lmi, model_dir = config.lmi, Path(config.engine.model)
     djl = ensure_djl_python() if _may_import(lmi, model_dir) else None
     module = load_module(lmi, model_dir) if djl is not None else None
-    function = handler_function(module, lmi.handler) if module is not None else None
+    if module is None and djl is not None and lmi.builtin_engine_requested:
+        # LMI's own handler is asked for; model.py may still hold formatters.
+        module = load_module(LmiOptions(), model_dir)
+        function = None
+    else:
+        function = handler_function(module, lmi.handler) if module is not None else None
     if function is not None:
         runner = _runner(config, function, djl.Input)
         runner.initialize(init_properties(config))
         logger.info("serving through %s.%s; batchyard's engine is not loaded",
                     module.__name__, lmi.handler)
+        _log_unused(config, custom=True)
         return CustomCode(runner, Formatters(output_name=lmi.output_formatter))
     if lmi.entry_point is not None and not lmi.builtin_engine_requested:
         raise EntryPointError(f"option.entryPoint={lmi.entry_point} defines no function "
                               f"{lmi.handler} (option.handler)")
+    _log_unused(config, custom=False)
     return CustomCode(None, _formatters(lmi, module))
+
+
+def _log_unused(config: ServingConfig, *, custom: bool) -> None:
+    """Keys that only one of the two modes reads: say so rather than ignore them."""
+    mode = ("a custom handler serves" if custom else "no custom handler serves")
+    keys = (("option.input_formatter", "option.output_formatter", "option.tgi_compat") if custom
+            else ("option.handler", "maxWorkers"))
+    for key in keys:
+        if key in config.settings:
+            logger.warning("%s has no effect: %s (see docs/migrating.md)", key, mode)
 
 
 def init_properties(config: ServingConfig) -> dict[str, str]:
