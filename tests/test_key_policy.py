@@ -21,7 +21,7 @@ def resolve(text: str = "", env: dict | None = None, model_dir: Path = Path("/mo
 
 @pytest.mark.parametrize(("line", "instead"), [
     ("option.quantize=awq", "option.dtype"),
-    ("option.quantize=fp8", "option.dtype"),
+    ("option.quantize=fp8", "int8"),
     ("option.enable_lora=true", "merge"),
     ("option.max_loras=4", "merge"),
     ("option.max_lora_rank=16", "merge"),
@@ -46,6 +46,7 @@ def test_quantize_from_tgi_env_is_refused_too() -> None:
 
 
 @pytest.mark.parametrize("line", ["option.enable_lora=false", "option.quantize=",
+                                  "option.quantize=none", "option.quantize=int8",
                                   "option.enable_streaming=false", "engine=MPI",
                                   "option.device_map=auto", "option.task=text-generation"])
 def test_values_that_leave_a_feature_off_are_accepted(line: str) -> None:
@@ -94,3 +95,9 @@ def test_entry_point_outside_the_model_folder_is_refused(value: str, tmp_path: P
 def test_bad_migration_values_are_refused(line: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         resolve(line)
+
+
+def test_quantize_int8_reaches_the_engine() -> None:
+    assert resolve("option.quantize=INT8").engine.quantize == "int8"
+    assert resolve(env={"HF_MODEL_QUANTIZE": "int8"}).engine.quantize == "int8"
+    assert resolve("option.quantize=none").engine.quantize is None

@@ -58,9 +58,6 @@ NO_OP_KEYS: dict[str, NoOp] = {
 _LORA = ("LoRA adapters are not supported: merge the adapter into the base weights (peft "
          "merge_and_unload) and serve the merged model")
 REFUSED_KEYS: dict[str, Refused] = {
-    "option.quantize": Refused(
-        "quantized weights are not supported: serve fp16/bf16/fp32 weights (option.dtype), "
-        "dequantized beforehand if the checkpoint is AWQ/GPTQ", frozenset({"", "none"})),
     "option.enable_streaming": Refused(
         "stream per request with \"stream\": true (or Accept: application/jsonlines), or every "
         "response with option.output_formatter=jsonlines", frozenset({"false"})),

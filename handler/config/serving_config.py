@@ -8,7 +8,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import ATTENTION_BACKENDS, DEVICES, LINEAR_BACKENDS, NATIVE_ARCHITECTURES, EngineConfig
+from engine import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    LINEAR_BACKENDS,
+    NATIVE_ARCHITECTURES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from handler.config.key_policy import POLICY_KEYS, apply_key_policy
 from handler.config.lmi_options import (
     INPUT_FORMATTERS,
@@ -57,6 +64,8 @@ class ServingConfig:
                  f"max_num_seqs={e.max_num_seqs}", f"max_model_len={e.max_model_len or 'model'}",
                  f"dtype={e.dtype}", f"device={e.device}", f"job_queue_size={self.job_queue_size}",
                  f"predict_timeout={self.predict_timeout:g}s"]
+        if e.quantize:
+            parts.append(f"quantize={e.quantize}")
         if e.batching == "dynamic":
             parts.append(f"max_batch_delay={e.max_batch_delay_ms:g}ms")
         if e.batching == "paged":
@@ -188,6 +197,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
                                        set(ATTENTION_BACKENDS)),
             linear_backend=r.choice("option.linear_backend", "auto", set(LINEAR_BACKENDS)),
             enforce_eager=r.flag("option.enforce_eager", False),
+            quantize=read_quantize(r),
             seed=r.integer("option.seed", 0, 0),
             trust_remote_code=r.flag("option.trust_remote_code", False))
     except ValueError as err:
@@ -200,6 +210,18 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
         max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
         model_id=model_id_setting(settings), strategy_reason=why,
         lmi=read_lmi_options(r, model_dir), settings=dict(settings))
+
+
+def read_quantize(r: _Reader) -> str | None:
+    """int8 weight-only, quantized at load; LMI's checkpoint formats are refused."""
+    value = (r.raw("option.quantize") or "none").lower()
+    if value == "none":
+        return None
+    if value not in QUANTIZATIONS:
+        r.fail("option.quantize", f"{' or '.join(QUANTIZATIONS)} (weight-only, quantized at "
+               "load from float weights); AWQ/GPTQ/fp8/bitsandbytes checkpoints are not "
+               "supported: serve fp16/bf16/fp32 weights (option.dtype)")
+    return value
 
 
 def read_lmi_options(r: _Reader, model_dir: Path) -> LmiOptions:
