@@ -28,7 +28,7 @@ def resolve(text: str = "", env: dict | None = None, model_dir: Path = Path("/mo
     ("option.enable_streaming=true", "output_formatter=jsonlines"),
     ("option.device_map=balanced", "option.device"),
     ("option.task=text-embedding", "text-generation"),
-    ("engine=OnnxRuntime", "Python or MPI"),
+    ("engine=OnnxRuntime", "Python, MPI or DeepSpeed"),
     ("option.pipeline_parallel_degree=2", "remove the key"),
 ])
 def test_refused_keys_name_key_and_alternative(line: str, instead: str) -> None:
@@ -101,3 +101,16 @@ def test_quantize_int8_reaches_the_engine() -> None:
     assert resolve("option.quantize=INT8").engine.quantize == "int8"
     assert resolve(env={"HF_MODEL_QUANTIZE": "int8"}).engine.quantize == "int8"
     assert resolve("option.quantize=none").engine.quantize is None
+
+
+def test_the_lmi_v5_batching_notebook_properties_start() -> None:
+    """The SMEX LMI-v5 notebook's files (one device instead of two) resolve as they are."""
+    dynamic = ("engine = DeepSpeed\noption.entryPoint = djl_python.huggingface\n"
+               "batch_size = 64\nmax_batch_delay = 1000\noption.model_loading_timeout = 900\n")
+    assert resolve(dynamic).engine.batching == "dynamic"
+    rolling = ("engine = MPI\noption.entryPoint = djl_python.huggingface\n"
+               "option.rolling_batch = auto\noption.max_rolling_batch_size = 64\n"
+               "option.paged_attention = false\noption.max_rolling_batch_prefill_tokens = 16080\n"
+               "option.model_loading_timeout = 900\n")
+    cfg = resolve(rolling)
+    assert cfg.engine.batching == "paged" and cfg.lmi.builtin_engine_requested

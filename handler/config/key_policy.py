@@ -33,8 +33,8 @@ class Refused:
 _ONE_DEVICE = "one process serves one device (option.device)"
 NO_OP_KEYS: dict[str, NoOp] = {
     "engine": NoOp("batchyard always runs its own Python engine in one process; the value only "
-                   "picks DJL's worker type", frozenset({"python", "mpi"}),
-                   "Python or MPI (both run the same engine here)"),
+                   "picks DJL's worker type", frozenset({"python", "mpi", "deepspeed"}),
+                   "Python, MPI or DeepSpeed (all run the same engine here)"),
     "option.task": NoOp("batchyard serves text generation only", frozenset({"text-generation"}),
                         "text-generation; other tasks need their own container"),
     "option.model_loading_timeout": NoOp(
