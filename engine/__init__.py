@@ -13,6 +13,7 @@ from engine.config import (
     DEVICES,
     DTYPES,
     LINEAR_BACKENDS,
+    QUANTIZATIONS,
     EngineConfig,
 )
 from engine.inputs import GenerationRequest
@@ -25,8 +26,8 @@ from engine.sequence import FinishReason
 
 __all__ = [
     "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "DEVICES", "DTYPES", "LINEAR_BACKENDS",
-    "MAX_TOP_LOGPROBS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "EngineClient", "EngineConfig",
-    "EngineDeadError", "FinishReason", "Gauges", "GenerationRequest", "LLMEngine",
-    "QueueFullError", "RequestError", "RequestHandle", "SamplingParams", "StepStats",
-    "TokenEvent",
+    "MAX_TOP_LOGPROBS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
+    "EngineClient", "EngineConfig", "EngineDeadError", "FinishReason", "Gauges",
+    "GenerationRequest", "LLMEngine", "QueueFullError", "RequestError", "RequestHandle",
+    "SamplingParams", "StepStats", "TokenEvent",
 ]

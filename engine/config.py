@@ -12,6 +12,8 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "reference", "flex", "cpu_paged")
 # auto: packed CPU matmuls, our tiled kernel then oneDNN, else aten (engine/models/linear.py).
 LINEAR_BACKENDS = ("auto", "tiled", "onednn", "aten")
+# Weight-only quantization applied at load (engine/models/int8_linear.py).
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class EngineConfig:
     linear_backend: str = "auto"
     # Run every step eagerly: no CUDA graphs for decode (the vLLM / LMI key).
     enforce_eager: bool = False
+    # None: weights in `dtype`; "int8": weight-only int8, one scale per output channel.
+    quantize: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
 
@@ -65,6 +69,8 @@ class EngineConfig:
                self.kv_cache_memory, "a positive number of bytes")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
                self.num_kv_blocks, "an integer >= 1")
+        _check(self.quantize is None or self.quantize in QUANTIZATIONS, "quantize",
+               self.quantize, f"None or one of {', '.join(QUANTIZATIONS)}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a fraction in (0, 1]")
 

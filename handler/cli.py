@@ -89,16 +89,27 @@ def resolve_config(args: argparse.Namespace, environ):
     settings = collect_settings(properties, environ)
     cache_dir = _env_path(environ, "BATCHYARD_CACHE_DIR")
     model_id = model_id_setting(settings)
-    model_dir = resolve_model_dir(args.model_dir, model_id, cache_dir, fetch=False)
+    model_dir = resolve_model_dir(args.model_dir, model_id, cache_dir, fetch=False,
+                                  has_handler=_has_handler(settings))
     prepare = None
     if args.model_dir is None and is_s3_uri(model_id) and not is_complete(model_dir):
         return _s3_config(settings, model_id, model_dir, cache_dir, environ)
     if model_dir == default_model_dir(cache_dir) and not (model_dir / "config.json").exists():
         prepare = lambda: ensure_default_model(cache_dir)  # noqa: E731  (built while /ping 503)
         architectures = ["LlamaForCausalLM"]
-    else:
-        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures", [])
+    else:  # a folder with only a custom handler may have no config.json
+        config_json = model_dir / "config.json"
+        architectures = json.loads(config_json.read_text()).get("architectures", []) if (
+            config_json.is_file()) else []
     return build_serving_config(settings, model_dir, architectures), prepare
+
+
+def _has_handler(settings) -> bool:
+    """option.entryPoint names the user's own handler (not one of LMI's built-in ones)."""
+    from handler.config.lmi_options import BUILTIN_ENTRY_POINTS
+
+    entry = settings.get("option.entryPoint")
+    return entry is not None and entry.value.strip() not in BUILTIN_ENTRY_POINTS
 
 
 def _s3_config(settings, model_id: str, model_dir: Path, cache_dir: Path | None, environ):

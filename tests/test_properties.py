@@ -113,12 +113,13 @@ def test_sizes_and_types() -> None:
     assert resolve("option.linear_backend=aten").engine.linear_backend == "aten"
 
 
-def test_unknown_keys_warn_and_lmi_keys_are_ignored(caplog) -> None:
+def test_unknown_keys_warn_and_lmi_no_op_keys_say_why(caplog) -> None:
     with caplog.at_level(logging.INFO):
         resolve("engine=Python\noption.entryPoint=djl_python.huggingface\noption.flux=1")
     assert any("unknown key option.flux" in r.message and r.levelno == logging.WARNING
                for r in caplog.records)
-    assert any("ignoring engine" in r.message for r in caplog.records)
+    assert any("engine=Python" in r.message and "has no effect" in r.message
+               for r in caplog.records)
 
 
 def test_describe_lists_every_value_and_source() -> None:

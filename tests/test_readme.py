@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, ROOT / "docs" / "architecture.md", ROOT / "docs" / "deploy.md",
-         ROOT / "docs" / "benchmark" / "README.md"]
+         ROOT / "docs" / "benchmark" / "README.md", ROOT / "docs" / "migrating.md"]
 MAX_README_LINES = 400
 
 # Repository folders whose paths the pages name in code; benchmark/results/ is written by runs.
@@ -181,3 +181,10 @@ def test_every_configuration_key_and_env_alias_is_documented():
     keys = SERVER_KEYS | {f"option.{k}" for k in ENGINE_KEYS}
     assert sorted(k for k in keys if not documented(k)) == []
     assert sorted(v for v in ENV_ALIASES if not documented(v)) == []
+
+
+def test_every_lmi_key_batchyard_does_not_act_on_is_in_the_migration_table():
+    from handler.config.key_policy import NO_OP_KEYS, REFUSED_KEYS
+
+    text = (ROOT / "docs" / "migrating.md").read_text()
+    assert sorted(k for k in (*NO_OP_KEYS, *REFUSED_KEYS) if f"`{k}`" not in text) == []

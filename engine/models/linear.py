@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.config import LINEAR_BACKENDS, EngineConfig
 from engine.kernels import load_kernels
+from engine.models.int8_linear import INT8_TOLERANCE, Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +101,12 @@ def linear_candidates(name: str, device: torch.device, dtype: torch.dtype) -> li
 
 def linear_factory(backend: str, batch_hint: int = DECODE_BATCH_HINT
                    ) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module]:
-    """(weight, bias) → the packed layer of `backend` ("tiled" or "onednn")."""
+    """(weight, bias) → the packed layer of `backend` ("tiled", "onednn", or "int8": the
+    weight-only quantized layer of option.quantize)."""
     if backend == "tiled":
         return TiledLinear
+    if backend == "int8":
+        return Int8Linear
     return lambda weight, bias: PackedLinear(weight, bias, batch_hint)
 
 
@@ -135,7 +139,10 @@ def packed_checked(make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module
     """make(weight, bias) when it agrees with F.linear, or ValueError naming `name`."""
     packed = make(weight, bias)
     error = _relative_error(weight, bias, packed)
-    if error > TOLERANCE[weight.dtype]:
+    limit = TOLERANCE.get(weight.dtype, INT8_TOLERANCE)
+    if make is Int8Linear:  # the weights are rounded to 8 bits on purpose
+        limit = max(limit, INT8_TOLERANCE)
+    if error > limit:
         raise ValueError(f"packed linear {name} differs from aten by {error:.1e} (relative)")
     return packed
 
@@ -146,7 +153,8 @@ def _relative_error(weight: torch.Tensor, bias: torch.Tensor | None, packed: nn.
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
     for rows in (3, 13):
-        x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
+        x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.device,
+                                                                      weight.dtype)
         want = F.linear(x, weight, bias).float()
         got = packed(x).float()
         error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
@@ -157,7 +165,16 @@ def _relative_error(weight: torch.Tensor, bias: torch.Tensor | None, packed: nn.
 def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.device,
                        dtype: torch.dtype) -> None:
     """Packed CPU matmuls: `auto` tries the tiled kernel, then oneDNN, then keeps aten; a
-    backend asked for by name that fails or disagrees at start-up stops it."""
+    backend asked for by name that fails or disagrees at start-up stops it. With
+    quantize=int8 every layer becomes an Int8Linear instead, on any device."""
+    if config.quantize == "int8":
+        if not hasattr(model, "pack_linears"):
+            raise ValueError("invalid quantize='int8': needs a native model (Llama, Mistral, "
+                             "Qwen2)")
+        count = model.pack_linears("int8", min(config.max_num_seqs, 64))
+        logger.info("weights quantized to int8 (weight-only, per output channel): %d layers; "
+                    "linear_backend is not used", count)
+        return
     candidates = linear_candidates(config.linear_backend, device, dtype)
     for backend in candidates:
         try:

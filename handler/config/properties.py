@@ -26,7 +26,7 @@ class Setting:
 
 
 # Keys with no `option.` prefix in LMI (model-server keys).
-SERVER_KEYS = {"batch_size", "max_batch_delay", "job_queue_size"}
+SERVER_KEYS = {"batch_size", "max_batch_delay", "job_queue_size", "maxWorkers"}
 # Rolling-batch keys also accepted without `option.`.
 ROLLING_KEYS = {"rolling_batch", "max_rolling_batch_size", "max_rolling_batch_prefill_tokens"}
 ENGINE_KEYS = {
@@ -34,15 +34,11 @@ ENGINE_KEYS = {
     "trust_remote_code", "paged_attention", "block_size", "enable_chunked_prefill",
     "enable_prefix_caching", "gpu_memory_utilization", "num_kv_blocks", "kv_cache_memory",
     "device", "max_request_size", "seed", "attention_backend", "linear_backend",
-    "enforce_eager", "engine_process",
+    "enforce_eager", "engine_process", "entryPoint", "handler", "input_formatter",
+    "output_formatter", "tgi_compat", "quantize",
 } | ROLLING_KEYS
-# LMI keys that mean nothing to this server: accepted, logged, ignored.
-IGNORED_KEYS = {
-    "engine", "option.entryPoint", "option.task", "option.model_loading_timeout",
-    "option.output_formatter", "option.revision", "option.enable_streaming", "option.mpi_mode",
-    "option.async_mode", "option.device_map", "option.parallel_loading", "option.quantize",
-    "minWorkers", "maxWorkers", "max_idle_time", "load_on_devices",
-}
+# LMI's camelCase keys; env names arrive lower-cased (OPTION_ENTRYPOINT → option.entrypoint).
+CAMEL_CASE = {k.lower(): k for k in ("entryPoint", "maxWorkers", "minWorkers")}
 # TGI / SageMaker variable → LMI variable it stands for (used only when that one is unset).
 ENV_ALIASES = {
     "HF_MODEL_ID": "OPTION_MODEL_ID",
@@ -53,17 +49,20 @@ ENV_ALIASES = {
     "HF_MODEL_TRUST_REMOTE_CODE": "OPTION_TRUST_REMOTE_CODE",
     "CUDA_MEMORY_FRACTION": "OPTION_GPU_MEMORY_UTILIZATION",
     "SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS": "OPTION_PREDICT_TIMEOUT",
+    "HF_MODEL_QUANTIZE": "OPTION_QUANTIZE",
+    "DJL_ENTRY_POINT": "OPTION_ENTRYPOINT",
 }
 
 
 def canonical_key(key: str) -> str:
     """`option.x` for engine keys (un-prefixed rolling keys accepted), bare server keys."""
     bare = key.removeprefix("option.")
+    bare = CAMEL_CASE.get(bare.lower(), bare)
     if bare in SERVER_KEYS:
         return bare
     if bare in ENGINE_KEYS and (key.startswith("option.") or bare in ROLLING_KEYS):
         return f"option.{bare}"
-    return key
+    return bare if bare in CAMEL_CASE.values() else key
 
 
 def parse_properties(text: str, origin: str) -> dict[str, Setting]:

@@ -8,10 +8,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import ATTENTION_BACKENDS, DEVICES, LINEAR_BACKENDS, NATIVE_ARCHITECTURES, EngineConfig
+from engine import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    LINEAR_BACKENDS,
+    NATIVE_ARCHITECTURES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
+from handler.config.key_policy import POLICY_KEYS, apply_key_policy
+from handler.config.lmi_options import (
+    INPUT_FORMATTERS,
+    MAX_WORKERS,
+    OUTPUT_FORMATTERS,
+    LmiOptions,
+    check_entry_point,
+    check_formatter,
+)
 from handler.config.properties import (
     ENGINE_KEYS,
-    IGNORED_KEYS,
     SERVER_KEYS,
     ConfigError,
     Setting,
@@ -40,6 +55,7 @@ class ServingConfig:
     engine_process: bool = True  # the engine core in a process of its own (else a thread)
     model_id: str | None = None
     strategy_reason: str = "default"
+    lmi: LmiOptions = field(default_factory=LmiOptions)
     settings: Mapping[str, Setting] = field(default_factory=dict, compare=False)
 
     def describe(self) -> str:
@@ -50,6 +66,8 @@ class ServingConfig:
                  f"dtype={e.dtype}", f"device={e.device}", f"job_queue_size={self.job_queue_size}",
                  f"predict_timeout={self.predict_timeout:g}s",
                  f"engine_process={self.engine_process}"]
+        if e.quantize:
+            parts.append(f"quantize={e.quantize}")
         if e.batching == "dynamic":
             parts.append(f"max_batch_delay={e.max_batch_delay_ms:g}ms")
         if e.batching == "paged":
@@ -154,6 +172,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
                          architectures: list[str]) -> ServingConfig:
     """Validate every setting and pick the strategy; raises ConfigError on the first bad one."""
     _warn_unknown(settings)
+    apply_key_policy(settings)
     r = _Reader(settings)
     batch_size = r.integer("batch_size", 1)
     strategy, why = select_strategy(r, batch_size, architectures)
@@ -180,6 +199,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
                                        set(ATTENTION_BACKENDS)),
             linear_backend=r.choice("option.linear_backend", "auto", set(LINEAR_BACKENDS)),
             enforce_eager=r.flag("option.enforce_eager", False),
+            quantize=read_quantize(r),
             seed=r.integer("option.seed", 0, 0),
             trust_remote_code=r.flag("option.trust_remote_code", False))
     except ValueError as err:
@@ -191,14 +211,47 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
         predict_timeout=r.number("option.predict_timeout", 120.0, 0.001),
         max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
         engine_process=r.flag("option.engine_process", True),
-        model_id=model_id_setting(settings), strategy_reason=why, settings=dict(settings))
+        model_id=model_id_setting(settings), strategy_reason=why,
+        lmi=read_lmi_options(r, model_dir), settings=dict(settings))
+
+
+def read_quantize(r: _Reader) -> str | None:
+    """int8 weight-only, quantized at load; LMI's checkpoint formats are refused."""
+    value = (r.raw("option.quantize") or "none").lower()
+    if value == "none":
+        return None
+    if value not in QUANTIZATIONS:
+        r.fail("option.quantize", f"{' or '.join(QUANTIZATIONS)} (weight-only, quantized at "
+               "load from float weights); AWQ/GPTQ/fp8/bitsandbytes checkpoints are not "
+               "supported: serve fp16/bf16/fp32 weights (option.dtype)")
+    return value
+
+
+def read_lmi_options(r: _Reader, model_dir: Path) -> LmiOptions:
+    entry, handler = r.raw("option.entryPoint") or None, r.raw("option.handler") or "handle"
+    if entry is not None:
+        entry = check_entry_point(entry, model_dir, r.settings["option.entryPoint"].source)
+    if not handler.isidentifier():
+        r.fail("option.handler", "the name of a Python function")
+    formatters = {}
+    for key, builtins in (("option.input_formatter", INPUT_FORMATTERS),
+                          ("option.output_formatter", OUTPUT_FORMATTERS)):
+        value = r.raw(key)
+        formatters[key] = "json" if not value else check_formatter(
+            key, value, builtins, r.settings[key].source)
+    tgi = r.flag("option.tgi_compat", False) or formatters["option.output_formatter"] == "tgi"
+    # DJL's -1 means "as many as fit"; one call at a time is what a handler can always take.
+    workers = 1 if r.raw("maxWorkers") == "-1" else r.integer("maxWorkers", 1)
+    if workers > MAX_WORKERS:
+        r.fail("maxWorkers", f"an integer between 1 and {MAX_WORKERS} (or -1)")
+    return LmiOptions(entry_point=entry, handler=handler,
+                      input_formatter=formatters["option.input_formatter"],
+                      output_formatter="tgi" if tgi else formatters["option.output_formatter"],
+                      tgi_compat=tgi, max_workers=workers)
 
 
 def _warn_unknown(settings: Mapping[str, Setting]) -> None:
-    known = SERVER_KEYS | {f"option.{k}" for k in ENGINE_KEYS}
-    ignored = IGNORED_KEYS | {k.lower() for k in IGNORED_KEYS}
+    known = SERVER_KEYS | {f"option.{k}" for k in ENGINE_KEYS} | POLICY_KEYS
     for key, s in sorted(settings.items()):
-        if key in ignored:
-            logger.info("ignoring %s=%s (%s): not used by batchyard", key, s.value, s.source)
-        elif key not in known:
+        if key not in known:
             logger.warning("unknown key %s=%s (%s) is ignored", key, s.value, s.source)

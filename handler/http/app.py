@@ -12,22 +12,12 @@ from werkzeug.exceptions import HTTPException
 from engine import RequestError
 from handler.http import sagemaker_runtime
 from handler.http.chat import chat_completion, parse_chat
-from handler.http.generation import (
-    JSONLINES,
-    SSE,
-    chat_lines,
-    collect,
-    generate_lines,
-    stream_response,
-    submit,
-)
-from handler.http.schemas import (
-    HTTPError,
-    bad_request,
-    generation_dict,
-    parse_generate,
-)
+from handler.http.generate_route import serve_generate
+from handler.http.generation import JSONLINES, SSE, chat_lines, collect, stream_response, submit
+from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
+from handler.lmi.bridge import request_content, request_properties, row_response
+from handler.lmi.runner import RunnerFull
 
 logger = logging.getLogger(__name__)
 
@@ -91,36 +81,44 @@ def create_app(state: ServerState) -> Flask:
 def _as_model_error(state: ServerState, call) -> Response:
     """Container errors as SageMaker reports them to boto3 (ModelError, 424)."""
     try:
-        return call()
+        response = call()
     except (HTTPError, HTTPException) as err:
         error = err if isinstance(err, HTTPError) else _from_werkzeug(state, err)
         _count(state, error)
         return sagemaker_runtime.model_error(error)
+    if response.status_code >= 400:  # a custom handler's own error answer
+        return sagemaker_runtime.model_error_from(response)
+    return response
 
 
 def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None) -> Response:
     start = time.monotonic()
     if not state.ready():
         raise HTTPError(503, "ServiceUnavailable", f"not ready: model is {state.status}")
-    body = _read_body()
+    if state.runner is not None:
+        return serve_custom(state)
+    body = state.formatters.request(_read_body())  # option.input_formatter
     accept = request.headers.get("Accept", "") if accept is None else accept
-    wants_stream = JSONLINES in accept or SSE in accept
-    sse = SSE in accept
     if chat_only or "messages" in body:
-        return _serve_chat(state, body, wants_stream=wants_stream, sse=sse, start=start)
-    gen = parse_generate(body, wants_stream=wants_stream)
-    prompts = [state.engine.encode(text) for text in gen.inputs]
-    handles = submit(state, prompts, gen.params, stream=gen.stream)
-    if gen.stream:
-        return stream_response(generate_lines(gen, handles[0]), handles[0], state, sse=sse,
-                               done_line=False, start=start)
+        return _serve_chat(state, body, wants_stream=JSONLINES in accept or SSE in accept,
+                           sse=SSE in accept, start=start)
+    return serve_generate(state, body, accept, start)
+
+
+def serve_custom(state: ServerState) -> Response:
+    """The model folder's handler answers, as DJL Serving would run it."""
+    assert state.runner is not None
     try:
-        results = [generation_dict(collect(state, h, start), text, gen)
-                   for h, text in zip(handles, gen.inputs, strict=True)]
-    finally:
-        for handle in handles:  # no-op when finished; frees the rest when one input failed
-            handle.abort()
-    return _json(results if gen.is_list else results[0], 200)
+        row = state.runner.call(request_properties(request), request_content(request),
+                                timeout=state.config.predict_timeout)
+    except RunnerFull as err:
+        raise HTTPError(503, "QueueFull", f"too many requests in flight: {err}; raise "
+                        "job_queue_size or retry later", {"Retry-After": "1"}) from err
+    if row is None:
+        raise HTTPError(504, "TimeoutError", "request exceeded option.predict_timeout")
+    response = row_response(row)
+    state.metrics.requests.labels(str(response.status_code)).inc()
+    return response
 
 
 def _serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,

@@ -21,12 +21,14 @@ from engine import (
 )
 from handler.http.chat import ChatRequest, chat_chunk
 from handler.http.schemas import (
+    Decode,
     GenerateRequest,
     HTTPError,
     bad_request,
     details_dict,
     final_error,
     token_dict,
+    top_tokens,
 )
 from handler.http.state import ServerState
 
@@ -34,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 JSONLINES = "application/jsonlines"
 SSE = "text/event-stream"
-Lines = Iterator[tuple[dict, TokenEvent]]  # (JSON object to write, the event it reports)
+# (JSON object, or text an output formatter made, to write; the event it reports)
+Lines = Iterator[tuple[dict | str | bytes, TokenEvent]]
 
 
 def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, *,
@@ -71,13 +74,15 @@ def collect(state: ServerState, handle: RequestHandle, start: float) -> list[Tok
     return events
 
 
-def generate_lines(gen: GenerateRequest, handle: RequestHandle) -> Lines:
+def generate_lines(gen: GenerateRequest, handle: RequestHandle, decode: Decode) -> Lines:
     events: list[TokenEvent] = []
     for event in handle.events():
         events.append(event)
         line: dict = {}
         if event.token_id is not None:
             line["token"] = token_dict(event)
+            if gen.top_n_tokens:
+                line["top_tokens"] = top_tokens(event, decode)
         if event.finished:
             text = "".join(e.text for e in events)
             line["generated_text"] = (gen.inputs[0] + text) if gen.return_full_text else text
@@ -97,7 +102,7 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
                     done_line: bool, start: float) -> Response:
     """Write lines as they come; a client that goes away aborts its request (frees its KV)."""
 
-    def generate() -> Iterator[str]:
+    def generate() -> Iterator[str | bytes]:
         times, last = [], None
         try:
             for line, event in lines:
@@ -108,7 +113,10 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
                 if error is not None:
                     line = {**error.body(), "error": error.message,
                             "details": {"finish_reason": "error"}}
-                yield f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
+                if isinstance(line, str | bytes):  # an output formatter wrote it
+                    yield line
+                else:
+                    yield f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
             if done_line:  # OpenAI's end-of-stream marker
                 yield "data: [DONE]\n\n"
         finally:

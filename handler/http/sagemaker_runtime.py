@@ -51,15 +51,21 @@ def model_stream_error(message: str, code: str = "StreamBroken") -> bytes:
 
 def model_error(err: HTTPError) -> Response:
     """How SageMaker reports a container's 4xx/5xx: ModelError, 424, with the original."""
-    original = json.dumps(err.body())
-    body = {"ErrorCode": "CLIENT_ERROR_FROM_MODEL" if err.code < 500 else
-            "SERVER_ERROR_FROM_MODEL",
-            "Message": f"Received {'client' if err.code < 500 else 'server'} error "
-                       f"({err.code}) from primary with message \"{original}\".",
-            "OriginalStatusCode": err.code, "OriginalMessage": original,
-            "LogStreamArn": "local"}
+    return _model_error(err.code, json.dumps(err.body()), err.headers)
+
+
+def model_error_from(response: Response) -> Response:
+    """The same for an error answer a custom handler wrote itself (its body kept as is)."""
+    return _model_error(response.status_code, response.get_data(as_text=True), {})
+
+
+def _model_error(code: int, original: str, headers: dict[str, str]) -> Response:
+    body = {"ErrorCode": "CLIENT_ERROR_FROM_MODEL" if code < 500 else "SERVER_ERROR_FROM_MODEL",
+            "Message": f"Received {'client' if code < 500 else 'server'} error "
+                       f"({code}) from primary with message \"{original}\".",
+            "OriginalStatusCode": code, "OriginalMessage": original, "LogStreamArn": "local"}
     return Response(json.dumps(body), status=424, mimetype="application/json",
-                     headers={"X-Amzn-ErrorType": "ModelError", **err.headers})
+                    headers={"X-Amzn-ErrorType": "ModelError", **headers})
 
 
 def invoke(serve: Callable[[], Response]) -> Response:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine import RequestError, SamplingParams, TokenEvent
+from engine import MAX_TOP_LOGPROBS, RequestError, SamplingParams, TokenEvent
 
 MAX_LIST_INPUTS = 64
+Decode = Callable[[list[int]], str]
 FINISH_REASONS = {"length", "eos_token", "stop_sequence"}
 
 
@@ -38,7 +40,13 @@ _PARAMETERS: dict[str, tuple[tuple[type, ...], str]] = {
     "stop": ((list, str), "a list of strings"),
     "ignore_eos_token": ((bool,), "a boolean"), "ignore_eos": ((bool,), "a boolean"),
     "return_full_text": ((bool,), "a boolean"), "details": ((bool,), "a boolean"),
+    # TGI's request extras
+    "decoder_input_details": ((bool,), "a boolean"), "top_n_tokens": ((int,), "an integer"),
+    "truncate": ((int, type(None)), "an integer or null"), "watermark": ((bool,), "a boolean"),
 }
+# Read here, not by SamplingParams.
+_EDGE_PARAMETERS = {"details", "return_full_text", "decoder_input_details", "top_n_tokens",
+                    "truncate", "watermark"}
 
 
 @dataclass(frozen=True)
@@ -51,9 +59,13 @@ class GenerateRequest:
     stream: bool
     details: bool
     return_full_text: bool
+    decoder_input_details: bool = False  # details.prefill: the prompt's tokens
+    top_n_tokens: int = 0  # details.top_tokens: the most likely alternatives of each token
+    truncate: int | None = None  # keep only the prompt's last N tokens
 
 
-def parse_generate(body: dict, *, wants_stream: bool) -> GenerateRequest:
+def parse_generate(body: dict, *, wants_stream: bool,
+                   details_default: bool = False) -> GenerateRequest:
     """Validate `{"inputs", "parameters", "stream"}`; raises HTTPError 400 naming the field."""
     inputs = body.get("inputs")
     is_list = isinstance(inputs, list)
@@ -72,9 +84,30 @@ def parse_generate(body: dict, *, wants_stream: bool) -> GenerateRequest:
         raise bad_request("stream must be a boolean")
     if stream and is_list:
         raise bad_request("stream supports a single input, not a list of inputs")
-    return GenerateRequest(tuple(items), is_list, sampling_params(parameters), stream,
-                           _flag(parameters, "details"), _flag(parameters, "return_full_text"))
+    top_n, truncate, prefill = _tgi_extras(parameters, stream)
+    params = sampling_params({k: v for k, v in parameters.items() if k not in _EDGE_PARAMETERS},
+                             top_n)
+    return GenerateRequest(tuple(items), is_list, params, stream,
+                           parameters.get("details", details_default) or prefill,
+                           _flag(parameters, "return_full_text"), prefill, top_n, truncate)
 
+
+def _tgi_extras(p: dict, stream: bool) -> tuple[int, int | None, bool]:
+    """(top_n_tokens, truncate, decoder_input_details), checked as TGI checks them."""
+    _check_types({k: v for k, v in p.items() if k in _EDGE_PARAMETERS})
+    if p.get("watermark"):
+        raise bad_request("parameters.watermark is not supported (given: true); remove it or "
+                          "set it to false")
+    top_n, truncate = p.get("top_n_tokens", 0), p.get("truncate")
+    if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"parameters.top_n_tokens must be between 0 and {MAX_TOP_LOGPROBS} "
+                          f"(given: {top_n})")
+    if truncate is not None and truncate < 1:
+        raise bad_request(f"parameters.truncate must be >= 1 (given: {truncate})")
+    prefill = bool(p.get("decoder_input_details", False))
+    if prefill and stream:
+        raise bad_request("parameters.decoder_input_details is not supported when streaming")
+    return top_n, truncate, prefill
 
 def sampling_params(parameters: dict, top_logprobs: int = 0) -> SamplingParams:
     """LMI/TGI parameter names → SamplingParams; unknown names and wrong types are errors."""
@@ -82,11 +115,7 @@ def sampling_params(parameters: dict, top_logprobs: int = 0) -> SamplingParams:
     if unknown:
         raise bad_request(f"unknown parameters: {', '.join(unknown)}; supported: "
                           f"{', '.join(sorted(_PARAMETERS))}")
-    for name, value in parameters.items():
-        types, described = _PARAMETERS[name]
-        is_bool = isinstance(value, bool)
-        if not isinstance(value, types) or (is_bool and bool not in types):
-            raise bad_request(f"parameters.{name} must be {described} (given: {value!r})")
+    _check_types(parameters)
     p = parameters
     stop = p.get("stop_sequences", p.get("stop", []))
     stop = [stop] if isinstance(stop, str) else stop
@@ -103,6 +132,14 @@ def sampling_params(parameters: dict, top_logprobs: int = 0) -> SamplingParams:
             top_logprobs=top_logprobs)
     except RequestError as err:
         raise bad_request(str(err)) from err
+
+
+def _check_types(parameters: dict) -> None:
+    for name, value in parameters.items():
+        types, described = _PARAMETERS[name]
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, types) or (is_bool and bool not in types):
+            raise bad_request(f"parameters.{name} must be {described} (given: {value!r})")
 
 
 def _sampling_inferred(p: dict) -> bool:
@@ -130,13 +167,26 @@ def details_dict(events: list[TokenEvent], *, with_tokens: bool) -> dict:
     return details
 
 
-def generation_dict(events: list[TokenEvent], prompt: str, request: GenerateRequest) -> dict:
+def generation_dict(events: list[TokenEvent], prompt: str, request: GenerateRequest, *,
+                    decode: Decode | None = None, prompt_ids: Sequence[int] = ()) -> dict:
     """The non-streaming answer for one input: generated_text (+ details)."""
     text = "".join(e.text for e in events)
     result: dict = {"generated_text": prompt + text if request.return_full_text else text}
     if request.details:
-        result["details"] = details_dict(events, with_tokens=True)
+        details = details_dict(events, with_tokens=True)
+        if request.top_n_tokens and decode is not None:
+            details["top_tokens"] = [top_tokens(e, decode) for e in events
+                                     if e.token_id is not None]
+        if request.decoder_input_details and decode is not None:
+            # Prompt log-probs are not computed by the engine: reported as null.
+            details["prefill"] = [{"id": i, "text": decode([i]), "log_prob": None}
+                                  for i in prompt_ids]
+        result["details"] = details
     return result
+
+
+def top_tokens(event: TokenEvent, decode: Decode) -> list[dict]:
+    return [{"id": i, "text": decode([i]), "log_prob": lp} for i, lp in event.top_logprobs]
 
 
 def final_error(event: TokenEvent) -> HTTPError | None:

@@ -10,7 +10,10 @@ from pathlib import Path
 
 from engine import EngineClient
 from handler.config.serving_config import ServingConfig
+from handler.http.formatters import Formatters
 from handler.http.metrics import Metrics
+from handler.lmi.loader import load_custom_code
+from handler.lmi.runner import HandlerRunner
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,8 @@ class ServerState:
         self.model_name = Path(config.engine.model).name
         self.status = "loading"
         self.client: EngineClient | None = None
+        self.runner: HandlerRunner | None = None  # a custom djl_python handler, if any
+        self.formatters = Formatters(output_name=config.lmi.output_formatter)
         self._prepare_model = prepare_model
         self._on_load_failure = on_load_failure
         self._load_delay = load_delay  # test hook: makes the loading phase observable
@@ -34,7 +39,11 @@ class ServerState:
         threading.Thread(target=self._load, name="model-loader", daemon=True).start()
 
     def ready(self) -> bool:
-        return self.status == "ready" and self.client is not None and self.client.gauges().alive
+        if self.status != "ready":
+            return False
+        if self.runner is not None:
+            return self.runner.alive()
+        return self.client is not None and self.client.gauges().alive
 
     @property
     def engine(self) -> EngineClient:
@@ -60,6 +69,14 @@ class ServerState:
             time.sleep(self._load_delay)
             if self._prepare_model is not None:
                 self._prepare_model()
+            custom = load_custom_code(self.config)
+            self.formatters = custom.formatters
+            if custom.runner is not None:
+                self.runner = custom.runner
+                self.runner.start()
+                self.status = "ready"
+                logger.info("handler ready in %.1f s; serving", time.monotonic() - started)
+                return
             self.serve(EngineClient.from_config(self.config.engine, self.config.job_queue_size,
                                                 self.metrics.on_step,
                                                 process=self.config.engine_process))

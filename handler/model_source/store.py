@@ -20,19 +20,20 @@ _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def resolve_model_dir(model_dir: Path | None, model_id: str | None, cache_dir: Path | None,
-                      *, root: Path = SAGEMAKER_MODEL_DIR, fetch: bool = True) -> Path:
+                      *, root: Path = SAGEMAKER_MODEL_DIR, fetch: bool = True,
+                      has_handler: bool = False) -> Path:
     """The folder to load, in LMI's order; the embedded default model when nothing is given.
 
     With fetch=False, folders made on first use (the default model, an s3:// model's download)
     are returned even if not there yet, and nothing is built or downloaded.
     """
     if model_dir is not None:
-        return check_model_dir(model_dir)
+        return check_model_dir(model_dir, has_handler)
     if model_id:
         if is_s3_uri(model_id):
             return download_model(model_id, cache_dir) if fetch else s3_cache_dir(model_id,
                                                                                   cache_dir)
-        return check_model_dir(_local_model_id(model_id, root))
+        return check_model_dir(_local_model_id(model_id, root), has_handler)
     if is_model_dir(root):
         return root
     logger.info("no model given and %s holds none: serving the embedded default model", root)

@@ -1,0 +1,47 @@
+"""Weight-only int8 (option.quantize=int8): each nn.Linear keeps int8 weights with one scale per
+output channel (symmetric, round to nearest); activations stay in the model's dtype. Weights
+take a quarter of their float32 memory (half of bf16); outputs differ from the float layer by
+the rounding of the weights (checked against it at start-up)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Largest |int8 - float| allowed, relative to the largest |float| output, at start-up.
+INT8_TOLERANCE = 3e-2
+
+
+class Int8Linear(nn.Module):
+    """y = (x Q^T) * s + b; Q [out, in] int8, s [out] in the input dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach()
+        self.out_features, self.in_features = w.shape
+        scales = w.float().abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
+        self.register_buffer("qweight", (w.float() / scales[:, None]).round()
+                             .clamp(-127, 127).to(torch.int8))  # [out, in]
+        self.register_buffer("scales", scales.to(w.dtype))
+        self.bias = None if bias is None else bias.detach()
+        self.kernel = _kernel_runs(self.qweight, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()  # [N, in]
+        if self.kernel:  # PyTorch's fused int8-weight matmul (CPU, and CUDA where built)
+            y = torch._weight_int8pack_mm(rows, self.qweight, self.scales)
+        else:  # dequantize on the fly: correct everywhere, no faster than the float layer
+            y = F.linear(rows, self.qweight.to(rows.dtype)) * self.scales
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _kernel_runs(qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+    probe = torch.zeros(1, qweight.shape[1], dtype=scales.dtype, device=qweight.device)
+    try:
+        torch._weight_int8pack_mm(probe, qweight, scales)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True

@@ -1,0 +1,67 @@
+"""An LMI/TGI generate request on the built-in engine, shaped by the output formatter:
+json (LMI objects), jsonlines / sse (stream by default), tgi (TGI lists and SSE)."""
+
+from __future__ import annotations
+
+from flask import Response
+
+from handler.http.generation import (
+    JSONLINES,
+    SSE,
+    Lines,
+    collect,
+    generate_lines,
+    stream_response,
+    submit,
+)
+from handler.http.schemas import GenerateRequest, generation_dict, parse_generate
+from handler.http.state import ServerState
+from handler.http.tgi import tgi_result, tgi_stream_line
+
+
+def serve_generate(state: ServerState, body: dict, accept: str, start: float) -> Response:
+    """Validate, submit every input, answer JSON or a stream as the formatter says."""
+    formatters = state.formatters
+    name = formatters.output_name
+    is_list = isinstance(body.get("inputs"), list)
+    sse = SSE in accept or name in ("sse", "tgi")
+    wants_stream = JSONLINES in accept or SSE in accept or (
+        name in ("jsonlines", "sse") and not is_list)
+    gen = parse_generate(body, wants_stream=wants_stream, details_default=name == "tgi")
+    prompts = [_truncated(state.engine.encode(text), gen.truncate) for text in gen.inputs]
+    handles = submit(state, prompts, gen.params, stream=gen.stream)
+    decode = state.engine.decode
+    if gen.stream:
+        lines = generate_lines(gen, handles[0], decode)
+        if name == "tgi":
+            lines = _tgi_lines(lines, gen.params.seed)
+        return stream_response(formatters.stream(lines), handles[0], state, sse=sse,
+                               done_line=False, start=start)
+    try:
+        results = [generation_dict(collect(state, h, start), text, gen, decode=decode,
+                                   prompt_ids=ids)
+                   for h, text, ids in zip(handles, gen.inputs, prompts, strict=True)]
+    finally:
+        for handle in handles:  # no-op when finished; frees the rest when one input failed
+            handle.abort()
+    return _answer(state, gen, results)
+
+
+def _answer(state: ServerState, gen: GenerateRequest, results: list[dict]) -> Response:
+    if state.formatters.output_name == "tgi":
+        # TGI answers a list even for one input.
+        payload: object = [tgi_result(r, gen.params.seed) for r in results]
+    else:
+        payload = results if gen.is_list else results[0]
+    body, mimetype = state.formatters.whole(payload)
+    return Response(body, status=200, mimetype=mimetype)
+
+
+def _tgi_lines(lines: Lines, seed: int | None) -> Lines:
+    for index, (line, event) in enumerate(lines):
+        yield tgi_stream_line(line, event, index, seed), event
+
+
+def _truncated(ids: list[int], truncate: int | None) -> list[int]:
+    """TGI's `truncate`: keep the prompt's last N tokens."""
+    return ids if truncate is None or len(ids) <= truncate else ids[-truncate:]

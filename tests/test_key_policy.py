@@ -1,0 +1,116 @@
+"""Every LMI key batchyard does not act on is a logged no-op or refused at start-up; the
+migration keys (entry point, formatters, tgi_compat, maxWorkers) are read and checked."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from handler.config.key_policy import NO_OP_KEYS, REFUSED_KEYS
+from handler.config.properties import ConfigError, collect_settings, parse_properties
+from handler.config.serving_config import build_serving_config
+
+
+def resolve(text: str = "", env: dict | None = None, model_dir: Path = Path("/models/m")):
+    settings = dict(collect_settings(None, env or {}))
+    settings.update(parse_properties(text, "serving.properties"))
+    return build_serving_config(settings, model_dir, ["LlamaForCausalLM"])
+
+
+@pytest.mark.parametrize(("line", "instead"), [
+    ("option.quantize=awq", "option.dtype"),
+    ("option.quantize=fp8", "int8"),
+    ("option.enable_lora=true", "merge"),
+    ("option.max_loras=4", "merge"),
+    ("option.max_lora_rank=16", "merge"),
+    ("option.enable_streaming=true", "output_formatter=jsonlines"),
+    ("option.device_map=balanced", "option.device"),
+    ("option.task=text-embedding", "text-generation"),
+    ("engine=OnnxRuntime", "Python, MPI or DeepSpeed"),
+    ("option.pipeline_parallel_degree=2", "remove the key"),
+])
+def test_refused_keys_name_key_and_alternative(line: str, instead: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve(line)
+    message = str(err.value)
+    key = line.split("=")[0]
+    assert key in message and instead in message and "serving.properties line 1" in message
+    assert "\n" not in message
+
+
+def test_quantize_from_tgi_env_is_refused_too() -> None:
+    with pytest.raises(ConfigError, match="option.quantize.*env HF_MODEL_QUANTIZE"):
+        resolve(env={"HF_MODEL_QUANTIZE": "bitsandbytes"})
+
+
+@pytest.mark.parametrize("line", ["option.enable_lora=false", "option.quantize=",
+                                  "option.quantize=none", "option.quantize=int8",
+                                  "option.enable_streaming=false", "engine=MPI",
+                                  "option.device_map=auto", "option.task=text-generation"])
+def test_values_that_leave_a_feature_off_are_accepted(line: str) -> None:
+    resolve(line)
+
+
+def test_no_op_keys_log_their_reason(caplog) -> None:
+    text = "\n".join(f"{k}=auto" if k == "option.device_map" else
+                     f"{k}={'Python' if k == 'engine' else 'text-generation'}"
+                     for k in NO_OP_KEYS)
+    with caplog.at_level(logging.INFO):
+        resolve(text)
+    for key, rule in NO_OP_KEYS.items():
+        assert any(key in r.message and rule.why in r.message for r in caplog.records), key
+    assert not any("unknown key" in r.message for r in caplog.records)
+
+
+def test_no_key_is_both_a_no_op_and_refused() -> None:
+    assert not set(NO_OP_KEYS) & set(REFUSED_KEYS)
+
+
+def test_migration_keys_are_read() -> None:
+    cfg = resolve("option.entryPoint=model.py\noption.handler=predict\nmaxWorkers=4\n"
+                  "option.output_formatter=jsonlines\noption.input_formatter=my_input")
+    lmi = cfg.lmi
+    assert (lmi.entry_point, lmi.handler, lmi.max_workers) == ("model.py", "predict", 4)
+    assert (lmi.output_formatter, lmi.input_formatter, lmi.tgi_compat) == (
+        "jsonlines", "my_input", False)
+    assert resolve("option.tgi_compat=true").lmi.output_formatter == "tgi"
+    assert resolve("option.output_formatter=tgi").lmi.tgi_compat
+    assert resolve(env={"DJL_ENTRY_POINT": "my_module"}).lmi.entry_point == "my_module"
+    assert resolve(env={"OPTION_ENTRYPOINT": "a.b"}).lmi.entry_point == "a.b"
+    assert resolve("maxWorkers=-1").lmi.max_workers == 1
+
+
+@pytest.mark.parametrize("value", ["../escape.py", "/etc/passwd.py", "sub/../../x.py",
+                                   "not a module"])
+def test_entry_point_outside_the_model_folder_is_refused(value: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="option.entryPoint"):
+        resolve(f"option.entryPoint={value}", model_dir=tmp_path)
+
+
+@pytest.mark.parametrize(("line", "key"), [("option.output_formatter=x-y", "output_formatter"),
+                                           ("option.handler=1abc", "option.handler"),
+                                           ("maxWorkers=1000", "maxWorkers")])
+def test_bad_migration_values_are_refused(line: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        resolve(line)
+
+
+def test_quantize_int8_reaches_the_engine() -> None:
+    assert resolve("option.quantize=INT8").engine.quantize == "int8"
+    assert resolve(env={"HF_MODEL_QUANTIZE": "int8"}).engine.quantize == "int8"
+    assert resolve("option.quantize=none").engine.quantize is None
+
+
+def test_the_lmi_v5_batching_notebook_properties_start() -> None:
+    """The SMEX LMI-v5 notebook's files (one device instead of two) resolve as they are."""
+    dynamic = ("engine = DeepSpeed\noption.entryPoint = djl_python.huggingface\n"
+               "batch_size = 64\nmax_batch_delay = 1000\noption.model_loading_timeout = 900\n")
+    assert resolve(dynamic).engine.batching == "dynamic"
+    rolling = ("engine = MPI\noption.entryPoint = djl_python.huggingface\n"
+               "option.rolling_batch = auto\noption.max_rolling_batch_size = 64\n"
+               "option.paged_attention = false\noption.max_rolling_batch_prefill_tokens = 16080\n"
+               "option.model_loading_timeout = 900\n")
+    cfg = resolve(rolling)
+    assert cfg.engine.batching == "paged" and cfg.lmi.builtin_engine_requested
