@@ -67,12 +67,9 @@ def check_padded_decode(runner: ModelRunner) -> float:
     cache.normal_(generator=torch.Generator(cache.device).manual_seed(0))  # stands for context
     try:
         with torch.inference_mode():
-            views, meta, _, _ = runner._prepare(batch)
-            input_ids, positions, _ = views["tokens"]
-            hidden = runner.model(input_ids, positions, meta, cache)
-            eager = runner.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
-            views = runner._prepare(batch, describe=False)[0]
-            graphed = padded.run(views["tokens"], views["decode"], views["decode_pages"])
+            views, meta, sampled, _ = runner._prepare(batch)
+            eager = runner.eager_logits(views, meta, sampled)
+            graphed = runner.padded_logits(runner._prepare(batch, describe=False)[0])
             error = (graphed - eager).abs().max().item()
     finally:
         cache.zero_()

@@ -69,21 +69,30 @@ class ModelRunner:
         views, meta, sampled, plan = self._prepare(batch, describe=not padded)
         self.phases.mark("prepare")
         out: list[SampledToken | None] = [None] * len(batch.seqs)
-        if padded:  # [S, vocab] float32, S = every row
-            logits = self.padded_decode.run(views["tokens"], views["decode"],
-                                            views["decode_pages"])
-        else:
-            input_ids, positions, _ = views["tokens"]  # [N] each
-            hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [N, hidden]
-            if not sampled:
-                self.phases.mark("forward")
-                return out
-            logits = self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+        logits = self.padded_logits(views) if padded else self.eager_logits(views, meta, sampled)
+        if logits is None:  # nothing caught up: the step only wrote KV
+            self.phases.mark("forward")
+            return out
         self.phases.mark("forward")  # [S, vocab] float32
         for i, token in zip(sampled, self.sampler(logits, plan, views), strict=True):
             out[i] = token
         self.phases.mark("sample")
         return out
+
+    def eager_logits(self, views: dict[str, torch.Tensor], meta: AttentionMetadata,
+                     sampled: list[int]) -> torch.Tensor | None:
+        """The model over every packed token → logits [S, vocab] float32 of the sampled rows
+        (None when no row samples)."""
+        input_ids, positions, _ = views["tokens"]  # [N] each
+        hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [N, hidden]
+        if not sampled:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+
+    def padded_logits(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A pure decode step through its bucket (a CUDA graph where captured) → logits
+        [S, vocab] float32, S = every row."""
+        return self.padded_decode.run(views["tokens"], views["decode"], views["decode_pages"])
 
     def attention_metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
         """What attention sees for `batch` (start-up checks and tests drive backends with it)."""

@@ -126,16 +126,13 @@ def test_the_decode_forward_and_sampler_trace_as_one_graph(tiny, params) -> None
         engine.add_request(f"r{i}", [5, 6, 7, 8 + i], p)
     engine.step()
     runner = engine.runner
-    views, meta, _, plan = runner._prepare(engine.scheduler.schedule())
-    input_ids, positions, _ = views["tokens"]
+    views, meta, sampled, plan = runner._prepare(engine.scheduler.schedule())
 
-    def decode(input_ids, positions, kv_cache):
-        hidden = runner.model(input_ids, positions, meta, kv_cache)
-        logits = runner.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
-        return sample(logits, plan, views)
+    def decode(views):
+        return sample(runner.eager_logits(views, meta, sampled), plan, views)
 
     torch._dynamo.reset()
     with torch.no_grad():
-        explained = torch._dynamo.explain(decode)(input_ids, positions, runner.kv_cache)
+        explained = torch._dynamo.explain(decode)(views)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
