@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -62,3 +64,11 @@ def drive(engine: LLMEngine, reqs: list[Req], max_steps: int = 5000) -> None:
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, min_new_tokens=n, ignore_eos=True)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll `condition` until it holds; fail the test after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)

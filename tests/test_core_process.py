@@ -22,7 +22,7 @@ from engine import (
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
-from tests.engine_harness import MAX_MODEL_LEN, greedy, make_engine
+from tests.engine_harness import MAX_MODEL_LEN, greedy, make_engine, wait_until
 from tests.models_fixtures import build_tiny_model
 
 PROMPTS = [(5, 6, 7, 8), (9, 10, 11), tuple(range(20, 40))]
@@ -45,12 +45,6 @@ def in_process(model_dir):
     yield client
     client.shutdown(grace_seconds=0)
 
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.01)
 
 
 def run_all(client: EngineClient, params: list[SamplingParams]) -> list[list]:

@@ -19,7 +19,7 @@ from engine import (
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
-from tests.engine_harness import greedy, make_engine
+from tests.engine_harness import greedy, make_engine, wait_until
 from tests.models_fixtures import build_tiny_model
 
 PROMPT = [5, 6, 7, 8]
@@ -54,12 +54,6 @@ def collect(handle) -> list:
 def kv_used(client: EngineClient) -> int:
     return client.gauges().kv_blocks_used
 
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_submitted_requests_stream_every_token_and_end(served) -> None:

@@ -4,14 +4,13 @@ own thread, with the engine thread only scheduling and computing."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from transformers import AutoTokenizer
 
 from engine import EngineClient, GenerationRequest, SamplingParams
 from engine.output_processor import OutputProcessor, StepOutput
-from tests.engine_harness import greedy, make_engine
+from tests.engine_harness import greedy, make_engine, wait_until
 from tests.models_fixtures import CORPUS, build_tiny_model
 
 PROMPT = (5, 6, 7, 8)
@@ -141,7 +140,7 @@ def test_served_detokenizes_on_the_output_thread_and_equals_offline(model_dir, f
         assert stopped_events[-1].finish_reason == "stop_sequence"
         assert "".join(e.text for e in free_events) == text
         assert threads == {"core": {"engine-loop"}, "text": {"engine-output"}}
-        _wait(lambda: client.gauges().kv_blocks_used == 0 and not engine.has_unfinished())
+        wait_until(lambda: client.gauges().kv_blocks_used == 0 and not engine.has_unfinished())
     finally:
         client.shutdown(grace_seconds=0)
 
@@ -166,13 +165,7 @@ def test_a_failing_output_stage_fails_its_requests_and_serving_goes_on(model_dir
         assert failed[-1].error == "output processing failed"  # no internals
         ok = list(client.submit(GenerationRequest(PROMPT, greedy(6))).events())
         assert ok[-1].finish_reason == "length" and ok[-1].num_output_tokens == 6
-        _wait(lambda: client.gauges().kv_blocks_used == 0 and not engine.has_unfinished())
+        wait_until(lambda: client.gauges().kv_blocks_used == 0 and not engine.has_unfinished())
     finally:
         client.shutdown(grace_seconds=0)
 
-
-def _wait(condition, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.01)
