@@ -48,6 +48,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # None: weights in `dtype`; "int8": weight-only int8, one scale per output channel.
     quantize: str | None = None
+    # Ranks the model is sharded over (Megatron-style, engine/parallel/); -1: every visible
+    # GPU (1 on CPU).
+    tensor_parallel_size: int = 1
     seed: int = 0
     trust_remote_code: bool = False
 
@@ -71,6 +74,8 @@ class EngineConfig:
                self.num_kv_blocks, "an integer >= 1")
         _check(self.quantize is None or self.quantize in QUANTIZATIONS, "quantize",
                self.quantize, f"None or one of {', '.join(QUANTIZATIONS)}")
+        _check(self.tensor_parallel_size >= 1 or self.tensor_parallel_size == -1,
+               "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1, or -1 (all)")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a fraction in (0, 1]")
 

@@ -18,6 +18,7 @@ from engine.inputs import AbortRequest, AddRequest, StopCore
 from engine.llm_engine import LLMEngine
 from engine.output_processor import StepOutput
 from engine.outputs import Gauges, StepStats
+from engine.parallel.workers import WorkerLost
 from engine.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -53,16 +54,24 @@ class EngineCore:
         self._failures = 0
 
     def run(self) -> None:
+        error = "the engine loop stopped"
         try:
             timeout: float | None = None
             while not self._stopping:
                 self._apply(self._receive(timeout))
                 self._expire(time.monotonic())
+                self.engine.check_health()
                 timeout = self._step_once()
+        except WorkerLost as err:  # the ranks are out of step: no later step can be trusted
+            logger.error("engine core stops: %s", err)
+            error = f"the engine stopped: {err}"
         except Exception:
             logger.exception("engine core crashed")
         finally:
-            self._end_all("the engine loop stopped")
+            try:
+                self._end_all(error)
+            finally:
+                self.engine.close()
 
     def _step_once(self) -> float | None:
         """One step if there is work; returns how long the next receive may wait."""
@@ -81,6 +90,8 @@ class EngineCore:
     def _step(self) -> list[StepOutput]:
         try:
             outputs = self.engine.step_outputs()
+        except WorkerLost:
+            raise
         except Exception:
             self._failures += 1
             if self._failures >= MAX_CONSECUTIVE_FAILURES:

@@ -67,9 +67,9 @@ def check_padded_decode(runner: ModelRunner) -> float:
     cache.normal_(generator=torch.Generator(cache.device).manual_seed(0))  # stands for context
     try:
         with torch.inference_mode():
-            views, meta, sampled, _ = runner._prepare(batch)
-            eager = runner.eager_logits(views, meta, sampled)
-            graphed = runner.padded_logits(runner._prepare(batch, describe=False)[0])
+            views, meta, _ = runner.stage(batch)
+            eager = runner.eager_logits(views, meta, list(range(len(seqs))))
+            graphed = runner.padded_logits(runner.stage(batch, describe=False)[0])
             error = (graphed - eager).abs().max().item()
     finally:
         cache.zero_()

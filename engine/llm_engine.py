@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.inputs import GenerationRequest, RequestLimits
-from engine.kv.budget import build_allocator, default_budget_bytes, max_concurrency, plan_kv
+from engine.kv.budget import build_allocator, max_concurrency
 from engine.output_processor import OutputProcessor, StepOutput
 from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
 from engine.phases import NoPhases, StepPhases
@@ -55,40 +55,35 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load tokenizer and weights, size the KV pool, build the strategy's scheduler."""
         # Imported here so that `import engine` (the handler choosing a strategy) skips torch.
-        from engine.attention.check import prepare_attention
-        from engine.attention.select import select_attention_backend
-        from engine.decode_graphs_setup import prepare_decode_graphs
-        from engine.model_runner import ModelRunner
-        from engine.models.cpu_fused import fused_ops_for
-        from engine.models.linear import pack_model_linears
-        from engine.models.loader import eos_token_ids, load_model, resolve_device, resolve_dtype
+        from engine.models.loader import eos_token_ids
+        from engine.runner_setup import build_rank_zero
 
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        model, spec = load_model(config.model, dtype, device)
-        pack_model_linears(model, config, device, dtype)
-        tokenizer = load_tokenizer(config)
-        max_model_len = _max_model_len(config, spec.max_position_embeddings)
-        plan = plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype),
-                       default_budget_bytes(device.type, config.gpu_memory_utilization))
-        allocator = build_allocator(config, plan)
-        scheduler = SCHEDULERS[config.batching](config, allocator)
-        runner = ModelRunner(model, spec, device, dtype, plan.num_blocks, plan.block_size,
-                             select_attention_backend(config.attention_backend, device))
-        prepare_attention(runner, config.attention_backend, config.max_num_seqs,
-                          config.max_num_batched_tokens or config.max_num_seqs * max_model_len)
-        if hasattr(model, "use_fused_cpu_ops"):
-            ops = fused_ops_for(model, dtype, runner.attention.name)
-            model.use_fused_cpu_ops(ops)
-            runner.sampler.greedy = ops.greedy if ops is not None else None
-        prepare_decode_graphs(runner, config.enforce_eager, config.max_num_seqs, max_model_len)
+        rank = build_rank_zero(config)
+        runner, spec, plan, max_model_len = rank.runner, rank.spec, rank.kv, rank.max_model_len
+        try:
+            tokenizer = load_tokenizer(config)
+        except BaseException:
+            close_runner(runner)
+            raise
+        scheduler = SCHEDULERS[config.batching](config, build_allocator(config, plan))
+        device, dtype = runner.device, runner.kv_cache.dtype
         eos = eos_token_ids(Path(config.model), tokenizer)
-        logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d", spec.architecture,
-                    device, dtype, config.batching, max_model_len)
+        logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d%s",
+                    spec.architecture, device, dtype, config.batching, max_model_len,
+                    f", tensor parallel over {runner.peers.size} ranks" if runner.peers else "")
         logger.info("KV pool: %d blocks of %d tokens, %.1f MiB (sized by %s); at most %d "
                     "sequences of max_model_len at once", plan.num_blocks, plan.block_size,
                     plan.pool_bytes / 2**20, plan.sized_by, plan.max_concurrency)
         return cls(config, tokenizer, scheduler, runner, max_model_len, spec.vocab_size, eos)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (a one-rank engine holds nothing)."""
+        close_runner(self.runner)
+
+    def check_health(self) -> None:
+        """WorkerLost when a tensor-parallel worker rank is gone (cheap: polls processes)."""
+        if getattr(self.runner, "peers", None) is not None:
+            self.runner.peers.check()
 
     # --- requests ---
 
@@ -243,10 +238,11 @@ def load_tokenizer(config: EngineConfig):
                                          local_files_only=True)
 
 
-def _max_model_len(config: EngineConfig, model_max: int) -> int:
-    if config.max_model_len is None:
-        return model_max
-    if config.max_model_len > model_max:
-        raise ValueError(f"invalid max_model_len={config.max_model_len}: must be <= the model's "
-                         f"max_position_embeddings ({model_max})")
-    return config.max_model_len
+def close_runner(runner) -> None:
+    if getattr(runner, "peers", None) is None:
+        return
+    from engine.parallel.comm import leave_group
+
+    runner.peers.stop()
+    runner.peers = None
+    leave_group()

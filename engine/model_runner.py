@@ -7,7 +7,8 @@ aranges are derived on the device from the uploaded integers.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -22,10 +23,34 @@ from engine.attention.reference import (
 from engine.decode_graphs import PaddedDecode
 from engine.models.spec import ModelSpec
 from engine.outputs import SampledToken
+from engine.parallel.workers import WorkerLost
 from engine.phases import NoPhases, StepPhases
 from engine.sampler import Sampler
 from engine.scheduler.base import ScheduledBatch
+from engine.sequence import Sequence
 from engine.step_buffer import StepBuffer
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as the host decided it, before any tensor exists; plain lists, so it pickles
+    to tensor-parallel worker ranks."""
+
+    num_seqs: int
+    ids: list[int]  # [N] packed token ids of every scheduled token
+    positions: list[int]  # [N]
+    slots: list[int]  # [N] KV slot each token writes
+    decodes: list[tuple[int, list[int], int]]  # (packed row, block table, context)
+    prefills: list[tuple[int, int, list[int], int]]  # (row, tokens, block table, context)
+    sample_rows: list[int]  # packed rows whose logits are sampled
+    sampled: list[int]  # which of the batch's sequences they belong to
+
+
+class PlanSender(Protocol):
+    """Hands each step's plan to the other tensor-parallel ranks (engine/parallel/workers.py)."""
+
+    def send(self, plan: StepPlan) -> None: ...
+    def kill(self) -> None: ...
 
 
 class ModelRunner:
@@ -49,6 +74,7 @@ class ModelRunner:
                                     spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
         self.scratch_slot = num_blocks * block_size
         self.padded_decode: PaddedDecode | None = None  # enable_padded_decode() sets it
+        self.peers: PlanSender | None = None  # the worker ranks, when tensor parallel
 
     def enable_padded_decode(self, max_batch: int, max_model_len: int) -> PaddedDecode:
         """Run pure decode steps padded to batch and width buckets over static buffers (what CUDA
@@ -65,16 +91,32 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
         """Forward the batch's scheduled tokens; sample for sequences that caught up."""
-        padded = self._padded(batch)
-        views, meta, sampled, plan = self._prepare(batch, describe=not padded)
+        plan = self.pack(batch)
+        sampling = [batch.seqs[i] for i in plan.sampled]
+        if self.peers is None:
+            return self.execute(plan, sampling)
+        self.peers.send(plan)  # tensor parallel: the other ranks run the same plan
+        try:
+            return self.execute(plan, sampling)
+        except Exception as err:
+            self.peers.kill()  # mid-step: their collectives would wait for ours
+            raise WorkerLost(f"tensor-parallel step failed on rank 0: {err}") from err
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, sampling: list[Sequence] | None
+                ) -> list[SampledToken | None]:
+        """Run a packed step; `sampling` holds the sequences of plan.sampled (None on a
+        tensor-parallel worker rank, which computes its share and samples nothing)."""
+        padded = self._padded(plan)
+        views, meta, sampler_plan = self._stage(plan, sampling, describe=not padded)
         self.phases.mark("prepare")
-        out: list[SampledToken | None] = [None] * len(batch.seqs)
-        logits = self.padded_logits(views) if padded else self.eager_logits(views, meta, sampled)
-        if logits is None:  # nothing caught up: the step only wrote KV
-            self.phases.mark("forward")
+        out: list[SampledToken | None] = [None] * plan.num_seqs
+        logits = self.padded_logits(views) if padded else self.eager_logits(views, meta,
+                                                                            plan.sampled)
+        self.phases.mark("forward")  # [S, vocab] float32, or None: the step only wrote KV
+        if logits is None or sampling is None:
             return out
-        self.phases.mark("forward")  # [S, vocab] float32
-        for i, token in zip(sampled, self.sampler(logits, plan, views), strict=True):
+        for i, token in zip(plan.sampled, self.sampler(logits, sampler_plan, views), strict=True):
             out[i] = token
         self.phases.mark("sample")
         return out
@@ -96,24 +138,25 @@ class ModelRunner:
 
     def attention_metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
         """What attention sees for `batch` (start-up checks and tests drive backends with it)."""
-        return self._prepare(batch)[1]
+        return self.stage(batch)[1]
 
-    def _padded(self, batch: ScheduledBatch) -> bool:
+    def stage(self, batch: ScheduledBatch, describe: bool = True):
+        """(device views, attention metadata, sampler plan) of `batch`, uploaded: what run()
+        computes from (start-up checks and tests call it)."""
+        plan = self.pack(batch)
+        return self._stage(plan, [batch.seqs[i] for i in plan.sampled], describe)
+
+    def _padded(self, plan: StepPlan) -> bool:
         """A pure decode step (every row one token, every row sampled) that fits a bucket."""
-        if self.padded_decode is None:
+        if self.padded_decode is None or plan.prefills or len(plan.sampled) != plan.num_seqs:
             return False
-        widest = 0
-        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
-            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
-                return False
-            widest = max(widest, seq.num_tokens)
-        return self.padded_decode.fits(len(batch.seqs), -(-widest // self.page_size))
+        widest = max(ctx for _, _, ctx in plan.decodes)
+        return self.padded_decode.fits(plan.num_seqs, -(-widest // self.page_size))
 
-    def _prepare(self, batch: ScheduledBatch, describe: bool = True):
-        """Pack the step on the host, upload it once, and describe it for attention (unless
-        the padded decode path, which describes itself, runs it)."""
-        buffer, bs = self.buffer, self.block_size
-        buffer.reset()
+    def pack(self, batch: ScheduledBatch) -> StepPlan:
+        """The step's integers, decided on the host: token ids, positions, KV slots, and which
+        rows attend to which pages and get sampled."""
+        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -137,14 +180,24 @@ class ModelRunner:
             if end == seq.num_tokens:  # caught up: its next token is sampled
                 sample_rows.append(row + n - 1)
                 sampled.append(i)
-        buffer.put("tokens", [ids, positions, slots], shape=(3, len(ids)))
-        buffer.put("sample_rows", sample_rows)
-        self._stage_decodes(decodes)
-        page_spans = self._stage_prefill_pages(prefills)
-        plan = self.sampler.stage([batch.seqs[i] for i in sampled], buffer) if sampled else None
+        return StepPlan(len(batch.seqs), ids, positions, slots, decodes, prefills, sample_rows,
+                        sampled)
+
+    def _stage(self, plan: StepPlan, sampling: list[Sequence] | None, describe: bool = True):
+        """Write the plan (and the sampling parameters) into the step buffer, upload it once,
+        and describe it for attention (unless the padded decode path, which describes itself,
+        runs it)."""
+        buffer = self.buffer
+        buffer.reset()
+        buffer.put("tokens", [plan.ids, plan.positions, plan.slots], shape=(3, len(plan.ids)))
+        buffer.put("sample_rows", plan.sample_rows)
+        self._stage_decodes(plan.decodes)
+        page_spans = self._stage_prefill_pages(plan.prefills)
+        sampler_plan = self.sampler.stage(sampling, buffer) if sampling else None
         views = buffer.upload()
-        meta = self._metadata(views, decodes, prefills, page_spans) if describe else None
-        return views, meta, sampled, plan
+        meta = self._metadata(views, plan.decodes, plan.prefills, page_spans) if describe \
+            else None
+        return views, meta, sampler_plan
 
     def _pages(self, block_table: list[int], context: int) -> list[int]:
         """Pages holding positions 0..context-1 (a page is page_size consecutive slots)."""

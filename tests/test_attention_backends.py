@@ -45,7 +45,7 @@ CASES = [
 
 def prepare(block_size: int, window: int | None, shapes: list[tuple[int, int]], shared: int,
             backend, device: torch.device, seed: int) -> AttentionMetadata:
-    """The real ModelRunner._prepare's metadata for a batch with random block tables."""
+    """The real ModelRunner.stage's metadata for a batch with random block tables."""
     rng = random.Random(seed)
     spec = ModelSpec("LlamaForCausalLM", 1, HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, 100, 256,
                      window)

@@ -126,10 +126,10 @@ def test_the_decode_forward_and_sampler_trace_as_one_graph(tiny, params) -> None
         engine.add_request(f"r{i}", [5, 6, 7, 8 + i], p)
     engine.step()
     runner = engine.runner
-    views, meta, sampled, plan = runner._prepare(engine.scheduler.schedule())
+    views, meta, plan = runner.stage(engine.scheduler.schedule())
 
     def decode(views):
-        return sample(runner.eager_logits(views, meta, sampled), plan, views)
+        return sample(runner.eager_logits(views, meta, [0]), plan, views)
 
     torch._dynamo.reset()
     with torch.no_grad():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,17 +14,26 @@ from engine.models.cpu_fused import FusedCpuOps
 from engine.models.layers import RMSNorm, apply_rope, rope_inv_freq
 from engine.models.linear import linear_factory, pack_linears, packed_checked
 from engine.models.spec import ModelSpec
+from engine.parallel.shard import Shard, rows_of_heads
+
+if TYPE_CHECKING:
+    from engine.parallel.comm import Collectives
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, config: dict) -> None:
+    """`spec` holds this rank's heads; `inter` its intermediate rows. With `comm`, o_proj and
+    down_proj hold this rank's input columns and their outputs are summed over the ranks."""
+
+    def __init__(self, spec: ModelSpec, config: dict, inter: int,
+                 comm: Collectives | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.comm = comm
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         bias = config.get("attention_bias", spec.architecture == "Qwen2ForCausalLM")
         self.qkv_proj = nn.Linear(spec.hidden_size, q + 2 * kv, bias=bias)
         self.o_proj = nn.Linear(q, spec.hidden_size, bias=config.get("attention_bias", False))
-        inter, mlp_bias = config["intermediate_size"], config.get("mlp_bias", False)
+        mlp_bias = config.get("mlp_bias", False)
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=mlp_bias)
         self.down_proj = nn.Linear(inter, spec.hidden_size, bias=mlp_bias)
         self.rotated_heads = spec.num_heads + spec.num_kv_heads  # q's and k's
@@ -43,9 +55,13 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.rotated_heads * s.head_dim:].view(-1, s.num_kv_heads, s.head_dim)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # q [N, H, D], k and v [N, Hkv, D]
         attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
-        x = x + self.o_proj(attn.flatten(1))
+        x = x + self._sum(self.o_proj(attn.flatten(1)))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self._sum(self.down_proj(F.silu(gate) * up))
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (itself on one rank)."""
+        return partial if self.comm is None else self.comm.all_reduce(partial)
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
@@ -56,28 +72,59 @@ class DecoderLayer(nn.Module):
         q = ops.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                            self.spec.num_heads)
         attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
-        out = self.o_proj(attn.flatten(1))  # [N, hidden]: the norm adds x to it in place
+        out = self._sum(self.o_proj(attn.flatten(1)))  # [N, hidden]: the norm adds x in place
         h = ops.rms_norm(out, norm2.weight, norm2.eps, residual=x)
         x = out  # x + o_proj(attn), bit for bit (float addition commutes)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self._sum(self.down_proj(F.silu(gate) * up))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a checkpoint tensor lands: our parameter, the first row written, and the part of
+    the tensor this rank reads (None: this rank keeps its zeros, e.g. a row-parallel bias
+    that rank 0 alone adds)."""
+
+    target: str
+    offset: int
+    index: tuple[slice, ...] | None
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids, positions, meta, kv_cache) → hidden; compute_logits(hidden) → fp32."""
+    """forward(input_ids, positions, meta, kv_cache) → hidden; compute_logits(hidden) → fp32.
 
-    def __init__(self, config: dict, spec: ModelSpec) -> None:
+    Sharded over tensor-parallel ranks when given a Shard and its Collectives: `spec` is then
+    this rank's part (its heads), `full_spec` the checkpoint's."""
+
+    def __init__(self, config: dict, spec: ModelSpec, shard: Shard | None = None,
+                 comm: Collectives | None = None) -> None:
         super().__init__()
-        self.spec = spec
+        self.shard, self.comm = shard or Shard(), comm
+        shard = self.shard
+        self.config = config
+        self.full_spec = spec
+        inter = config["intermediate_size"]
+        shard.check(spec.num_heads, spec.num_kv_heads, inter)
+        self.spec = replace(spec, num_heads=len(shard.split(spec.num_heads)),
+                            num_kv_heads=len(shard.kv_heads(spec.num_heads, spec.num_kv_heads)))
+        self.vocab = shard.vocab(spec.vocab_size)  # the token ids of this rank's rows
+        vocab_rows = shard.vocab_rows(spec.vocab_size)
         self.tie_word_embeddings = config.get("tie_word_embeddings", False)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, config) for _ in range(spec.num_layers))
+        self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(self.spec, config, inter // shard.size, comm)
+                                    for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            spec.hidden_size, spec.vocab_size, bias=False)
-        # NOTE: kept float32 whatever the model dtype, like transformers' rotary embedding.
-        freqs = torch.outer(torch.arange(spec.max_position_embeddings, dtype=torch.float32),
-                            rope_inv_freq(config, spec.head_dim))
+            spec.hidden_size, vocab_rows, bias=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """The RoPE tables, computed where the embedding lives (again after a meta-device build).
+        NOTE: float32 whatever the model dtype, like transformers' rotary embedding."""
+        spec, device = self.spec, self.embed_tokens.weight.device
+        freqs = torch.outer(
+            torch.arange(spec.max_position_embeddings, dtype=torch.float32, device=device),
+            rope_inv_freq(self.config, spec.head_dim).to(device))
         self.register_buffer("rope_cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)
         self.register_buffer("rope_sin", torch.cat([freqs, freqs], -1).sin(), persistent=False)
 
@@ -97,18 +144,32 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [N]; kv_cache [layers, 2, slots, Hkv, D] → hidden [N, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
             x = layer(x, cos, sin, meta, layer_cache[0], layer_cache[1])
         return self.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[N] → [N, hidden]; sharded, each rank looks up the ids its rows hold and the ranks'
+        rows are summed (every other rank contributes zeros)."""
+        if self.comm is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab.start
+        outside = (local < 0) | (local >= len(self.vocab))  # [N]
+        x = self.embed_tokens(local.masked_fill(outside, 0))  # [N, hidden]
+        return self.comm.all_reduce(x.masked_fill_(outside[:, None], 0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] → logits [S, vocab] float32."""
+        """hidden [S, hidden] → logits [S, vocab] float32 (sharded: gathered once)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        if self.comm is not None:
+            logits = self.comm.gather_vocab(logits, self.full_spec.vocab_size)
+        return logits.float()
 
     def use_fused_cpu_ops(self, ops: FusedCpuOps | None) -> None:
         for layer in self.layers:
@@ -127,31 +188,45 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head, count = tied, count + 1
         return count
 
-    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up into one matmul each."""
-        own = self.state_dict()
-        for name, tensor in state.items():
-            name = name.removeprefix("model.")
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            target, offset = _fused_target(name, self.spec, own)
-            if target not in own:
-                raise ValueError(f"unexpected weight {name} in checkpoint")
-            own[target].narrow(0, offset, tensor.shape[0]).copy_(tensor)
-        self.load_state_dict(own)
+    def weight_placement(self, name: str) -> Placement | None:
+        """Where the checkpoint tensor `name` lands on this rank: q/k/v and gate/up are fused
+        into one matmul each and split by rows, o/down split by columns, the vocabulary by
+        rows. None: a tensor this model does not keep (a tied lm_head)."""
+        name = name.removeprefix("model.")
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        full, local, shard = self.full_spec, self.spec, self.shard
+        d, everything = full.head_dim, (slice(None),)
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return Placement(name, 0, (slice(self.vocab.start, self.vocab.stop),))
+        q_rows = rows_of_heads(shard.split(full.num_heads), d)
+        kv_rows = rows_of_heads(shard.kv_heads(full.num_heads, full.num_kv_heads), d)
+        inter = self.config["intermediate_size"]
+        inter_span = shard.split(inter)
+        inter_rows = slice(inter_span.start, inter_span.stop)
+        q, kv = local.num_heads * d, local.num_kv_heads * d
+        parts = {"self_attn.q_proj": ("qkv_proj", 0, q_rows),
+                 "self_attn.k_proj": ("qkv_proj", q, kv_rows),
+                 "self_attn.v_proj": ("qkv_proj", q + kv, kv_rows),
+                 "mlp.gate_proj": ("gate_up_proj", 0, inter_rows),
+                 "mlp.up_proj": ("gate_up_proj", len(inter_span), inter_rows)}
+        for hf, (ours, offset, rows) in parts.items():
+            if f".{hf}." in name:
+                return Placement(name.replace(hf, ours), offset, (rows,))
+        for hf, ours, columns in (("self_attn.o_proj", "o_proj", q_rows),
+                                  ("mlp.down_proj", "down_proj", inter_rows)):
+            if f".{hf}." in name:  # row-parallel: the bias is added once, by rank 0
+                target = name.replace(hf, ours)
+                if name.endswith(".bias"):
+                    return Placement(target, 0, everything if shard.rank == 0 else None)
+                return Placement(target, 0, (slice(None), columns))
+        return Placement(name, 0, everything)
 
-
-def _fused_target(name: str, spec: ModelSpec, own: dict) -> tuple[str, int]:
-    """Where an HF tensor lands: (our parameter name, row offset into it)."""
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    parts = {"self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", q),
-             "self_attn.v_proj": ("qkv_proj", q + kv), "self_attn.o_proj": ("o_proj", 0),
-             "mlp.gate_proj": ("gate_up_proj", 0), "mlp.down_proj": ("down_proj", 0)}
-    for hf, (ours, offset) in parts.items():
-        if f".{hf}." in name:
-            return name.replace(hf, ours), offset
-    if ".mlp.up_proj." in name:
-        layer = name.split(".")[1]
-        inter = own[f"layers.{layer}.gate_up_proj.weight"].shape[0] // 2
-        return name.replace("mlp.up_proj", "gate_up_proj"), inter
-    return name, 0
+    def expected_rows(self) -> dict[str, int]:
+        """Rows of each parameter the checkpoint must fill (a vocabulary slice's padding rows
+        stay zero)."""
+        rows = {name: p.shape[0] for name, p in self.named_parameters()}
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in rows:
+                rows[name] = len(self.vocab)
+        return rows

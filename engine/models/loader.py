@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
+from engine.parallel.shard import Shard
+
+if TYPE_CHECKING:
+    from engine.parallel.comm import Collectives
 
 logger = logging.getLogger(__name__)
 
@@ -40,35 +46,83 @@ def read_config(model_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's *.safetensors files; pickled checkpoints are refused."""
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The folder's *.safetensors files; pickled checkpoints are refused."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in Path(model_dir).iterdir() if p.suffix in PICKLE_SUFFIXES]
         detail = f" (found pickle checkpoints {pickles[:3]})" if pickles else ""
         raise ValueError(f"{model_dir} has no *.safetensors weights{detail}: only safetensors "
                          "are loaded, because unpickling a checkpoint can run arbitrary code")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file, device="cpu"))
-    return state
+    return files
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
-    """Build the native model for the folder's architecture; returns (model, ModelSpec)."""
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               shard: Shard | None = None, comm: Collectives | None = None):
+    """Build the native model for the folder's architecture (this rank's shard of it); returns
+    (model, ModelSpec of what this rank holds).
+
+    The modules are built on the meta device and materialised empty in `dtype` on `device`;
+    each checkpoint tensor is then read, one at a time, as the slice this rank keeps. The host
+    never holds a full-precision copy of the model, nor more than one tensor beyond it."""
     config = read_config(model_dir)
     arch = (config.get("architectures") or ["?"])[0]
     if arch not in NATIVE_ARCHITECTURES:
         raise ValueError(f"architecture {arch} is not supported natively; supported: "
                          f"{', '.join(sorted(NATIVE_ARCHITECTURES))}")
     model_cls = _FAMILIES[NATIVE_ARCHITECTURES[arch]]
-    spec = model_cls.spec_from_config(arch, config)
-    model = model_cls(config, spec)
-    model.load_hf_weights(load_state_dict(model_dir))
-    model.to(device=device, dtype=dtype).eval()
-    logger.info("loaded %s (%.1f M parameters) from %s as %s on %s", arch,
+    files = checkpoint_files(model_dir)
+    with torch.device("meta"):
+        model = model_cls(config, model_cls.spec_from_config(arch, config), shard, comm)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.init_rope()
+    read_weights(model, files)
+    model.eval()
+    logger.info("loaded %s (%.1f M parameters on this rank) from %s as %s on %s", arch,
                 sum(p.numel() for p in model.parameters()) / 1e6, model_dir, dtype, device)
-    return model, spec
+    return model, model.spec
+
+
+@torch.no_grad()
+def read_weights(model, files: list[Path]) -> None:
+    """Copy each checkpoint tensor's slice for this rank into place (cast on the way); raises
+    ValueError on a tensor the model has no place for, a wrong shape, or a missing weight."""
+    params = dict(model.named_parameters())
+    for param in params.values():
+        param.zero_()  # a vocabulary slice's padding rows and other ranks' biases stay zero
+    written: Counter[str] = Counter()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+        for name in names:
+            place = model.weight_placement(name)
+            if place is None:
+                continue
+            param = params.get(place.target)
+            if param is None:
+                raise ValueError(f"unexpected weight {name} in checkpoint {file.name}")
+            written[place.target] += _copy_part(file, name, place, param)
+    missing = [name for name, rows in model.expected_rows().items() if written[name] != rows]
+    if missing:
+        raise ValueError(f"the checkpoint lacks weights for {', '.join(missing[:4])}"
+                         f"{' …' if len(missing) > 4 else ''}")
+
+
+def _copy_part(file: Path, name: str, place, param: torch.Tensor) -> int:
+    """Copy this rank's part of one tensor into `param`; returns the rows it fills. The file
+    is mapped for this tensor alone: mapped pages count as the process's memory until unmapped,
+    so one mapping per file would hold a whole shard file beside the model."""
+    if place.index is None:
+        return param.shape[0]
+    with safe_open(file, framework="pt", device="cpu") as f:
+        whole = f.get_slice(name)
+        part = whole[place.index]
+        if part.shape[1:] != param.shape[1:] or place.offset + part.shape[0] > param.shape[0]:
+            raise ValueError(f"weight {name} in {file.name} has shape "
+                             f"{tuple(whole.get_shape())}, which does not fit {place.target} "
+                             f"{tuple(param.shape)}")
+        param.narrow(0, place.offset, part.shape[0]).copy_(part)
+        return part.shape[0]
 
 
 def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:

@@ -176,9 +176,6 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
     r = _Reader(settings)
     batch_size = r.integer("batch_size", 1)
     strategy, why = select_strategy(r, batch_size, architectures)
-    tp = r.raw("option.tensor_parallel_degree")
-    if tp is not None and tp.lower() not in ("1", "max"):
-        r.fail("option.tensor_parallel_degree", "1 or max (this engine runs on one device)")
     max_num_seqs = {"none": 1, "dynamic": batch_size}.get(
         strategy, r.integer("option.max_rolling_batch_size", 32))
     try:
@@ -200,6 +197,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
             linear_backend=r.choice("option.linear_backend", "auto", set(LINEAR_BACKENDS)),
             enforce_eager=r.flag("option.enforce_eager", False),
             quantize=read_quantize(r),
+            tensor_parallel_size=read_tensor_parallel(r),
             seed=r.integer("option.seed", 0, 0),
             trust_remote_code=r.flag("option.trust_remote_code", False))
     except ValueError as err:
@@ -213,6 +211,14 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
         engine_process=r.flag("option.engine_process", True),
         model_id=model_id_setting(settings), strategy_reason=why,
         lmi=read_lmi_options(r, model_dir), settings=dict(settings))
+
+
+def read_tensor_parallel(r: _Reader) -> int:
+    """N ranks, or `max` / -1 (LMI's spellings) for every visible GPU; SM_NUM_GPUS lands here."""
+    value = (r.raw("option.tensor_parallel_degree") or "1").lower()
+    if value in ("max", "-1"):
+        return -1
+    return r.integer("option.tensor_parallel_degree", 1)
 
 
 def read_quantize(r: _Reader) -> str | None:

@@ -63,10 +63,10 @@ def _log_unused(config: ServingConfig, *, custom: bool) -> None:
 
 def init_properties(config: ServingConfig) -> dict[str, str]:
     """DJL's start-up properties: every key with option. stripped, plus model_dir, device_id
-    (-1 on CPU) and tensor_parallel_degree."""
+    (-1 on CPU) and tensor_parallel_degree (1 unless configured)."""
     properties = {k.removeprefix("option."): s.value for k, s in config.settings.items()}
-    properties.update(model_dir=config.engine.model, device_id=_device_id(config.engine.device),
-                      tensor_parallel_degree="1")
+    properties.update(model_dir=config.engine.model, device_id=_device_id(config.engine.device))
+    properties.setdefault("tensor_parallel_degree", "1")
     return properties
 
 

@@ -1,0 +1,64 @@
+"""A tensor-parallel worker rank: `python -m engine.parallel.worker`, started by WorkerGroup.
+
+It reads WorkerArgs from stdin, joins the ranks, builds its shard (engine/runner_setup.py), then
+runs each StepPlan it reads, until its stdin closes. It samples nothing: rank 0 does."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+
+from engine.parallel.comm import init_group, leave_group
+from engine.parallel.shard import Shard
+from engine.parallel.workers import WorkerArgs
+
+logger = logging.getLogger("engine.parallel.worker")
+
+PARENT_POLL_SECONDS = 1.0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Rank 0 killed outright leaves its pipe open in no one: exit when it is gone."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_SECONDS)
+    os._exit(1)
+
+
+def main() -> int:
+    stdin = sys.stdin.buffer
+    args: WorkerArgs = pickle.load(stdin)
+    logging.basicConfig(level=args.log_level, format=(
+        f"%(asctime)s %(levelname)s tp-rank-{args.rank} %(name)s: %(message)s"))
+    for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 stops us by closing the pipe
+        signal.signal(signum, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    from engine.runner_setup import build_rank, rank_device
+
+    shard = Shard(args.rank, args.size)
+    device = rank_device(args.config, shard)
+    comm = init_group(shard, device, args.store_path)
+    runner = build_rank(args.config, device, shard, comm).runner
+    steps = 0
+    try:
+        while True:
+            try:
+                plan = pickle.load(stdin)
+            except EOFError:
+                break
+            if plan is None:
+                break
+            runner.execute(plan, None)
+            steps += 1
+    finally:
+        logger.info("tensor-parallel rank %d stops after %d steps", args.rank, steps)
+        leave_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

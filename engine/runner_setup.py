@@ -1,0 +1,119 @@
+"""What every rank builds alike: its shard of the model, its part of the KV pool, the start-up
+checks. Rank 0 adds the tokenizer and the scheduler (LLMEngine.from_config); tensor-parallel
+worker ranks (engine/parallel/worker.py) only this."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.check import prepare_attention
+from engine.attention.select import select_attention_backend
+from engine.config import EngineConfig
+from engine.decode_graphs_setup import prepare_decode_graphs
+from engine.kv.budget import KVPlan, default_budget_bytes, plan_kv
+from engine.model_runner import ModelRunner
+from engine.models.cpu_fused import fused_ops_for
+from engine.models.linear import pack_model_linears
+from engine.models.loader import load_model, resolve_device, resolve_dtype
+from engine.models.spec import ModelSpec
+from engine.parallel.comm import Collectives
+from engine.parallel.shard import Shard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RankSetup:
+    runner: ModelRunner
+    spec: ModelSpec  # what this rank holds (its heads); vocab_size is the whole vocabulary
+    kv: KVPlan
+    max_model_len: int
+
+
+def rank_device(config: EngineConfig, shard: Shard) -> torch.device:
+    """The device of `shard`'s rank: GPU number rank on CUDA. On CPU the ranks share the
+    cores, each taking its part of them."""
+    device = resolve_device(config.device)
+    if device.type == "cuda" and not shard.is_whole:
+        torch.cuda.set_device(shard.rank)
+        return torch.device("cuda", shard.rank)
+    if device.type == "cpu" and not shard.is_whole:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
+    return device
+
+
+def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None = None,
+               comm: Collectives | None = None) -> RankSetup:
+    """Load this rank's shard, size the KV pool (the same block count on every rank), and run
+    the start-up checks of attention, packed matmuls and decode graphs."""
+    shard = shard or Shard()
+    dtype = resolve_dtype(config.dtype, device)
+    model, spec = load_model(config.model, dtype, device, shard, comm)
+    pack_model_linears(model, config, device, dtype)
+    max_model_len = _max_model_len(config, spec.max_position_embeddings)
+    budget = default_budget_bytes(device.type, config.gpu_memory_utilization)
+    if comm is not None:  # every rank holds the same blocks: size them by the tightest rank
+        budget = comm.agree_min(budget // shard.size if device.type == "cpu" else budget)
+    kv = plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype), budget)
+    runner = ModelRunner(model, spec, device, dtype, kv.num_blocks, kv.block_size,
+                         select_attention_backend(config.attention_backend, device))
+    prepare_attention(runner, config.attention_backend, config.max_num_seqs,
+                      config.max_num_batched_tokens or config.max_num_seqs * max_model_len)
+    if hasattr(model, "use_fused_cpu_ops"):
+        ops = fused_ops_for(model, dtype, runner.attention.name)
+        model.use_fused_cpu_ops(ops)
+        runner.sampler.greedy = ops.greedy if ops is not None else None
+    graphs = prepare_decode_graphs(runner, config.enforce_eager, config.max_num_seqs,
+                                   max_model_len)
+    # a collective, so every rank asks, whatever its own answer
+    if comm is not None and not comm.agree_all(graphs) and graphs:
+        logger.warning("CUDA graphs off: another tensor-parallel rank could not use them")
+        runner.padded_decode = None
+    return RankSetup(runner, spec, kv, max_model_len)
+
+
+def _max_model_len(config: EngineConfig, model_max: int) -> int:
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(f"invalid max_model_len={config.max_model_len}: must be <= the model's "
+                         f"max_position_embeddings ({model_max})")
+    return config.max_model_len
+
+
+def build_rank_zero(config: EngineConfig) -> RankSetup:
+    """This process's rank: the whole model, or rank 0 of `tensor_parallel_size` with the
+    worker ranks started beside it (the runner's `peers`)."""
+    size = tensor_parallel_size(config)
+    if size == 1:
+        return build_rank(config, rank_device(config, Shard()))
+    from engine.parallel.comm import init_group, leave_group
+    from engine.parallel.workers import WorkerGroup
+
+    workers = WorkerGroup(config, size)
+    try:
+        shard = Shard(0, size)
+        device = rank_device(config, shard)
+        setup = build_rank(config, device, shard, init_group(shard, device, workers.store_path))
+    except BaseException:
+        workers.kill()  # they may wait in a start-up collective for this rank
+        workers.stop()
+        leave_group()
+        raise
+    setup.runner.peers = workers
+    return setup
+
+
+def tensor_parallel_size(config: EngineConfig) -> int:
+    """The configured degree; -1 is every visible GPU (1 on CPU). ValueError past the GPUs."""
+    size, device = config.tensor_parallel_size, resolve_device(config.device)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if size == -1:
+        return max(gpus, 1)
+    if device.type == "cuda" and size > gpus:
+        raise ValueError(f"invalid tensor_parallel_degree={size}: {gpus} GPUs are visible")
+    return size
