@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from benchmark import load_memory
 from benchmark.loadgen import LoadPlan
 from benchmark.options import (
     add_load_options,
@@ -89,23 +90,28 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"),
                          default="auto")
     profile.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    profile.add_argument("--tensor-parallel", type=int, default=1,
+                         help="ranks to shard the model over (worker processes)")
     profile.add_argument("--out", type=Path, help="write profile.json and profile.md here")
 
     random_model = sub.add_parser("random-model", help="a random-weight Llama folder (e.g. 1B "
                                   "for a GPU sweep; noise text, so ignore EOS)")
     random_model.add_argument("out", type=Path, help="a new or empty folder")
-    random_model.add_argument("--preset", default="llama-1b", help="llama-1b or llama-tiny")
+    random_model.add_argument("--preset", default="llama-1b",
+                              help="llama-1b, llama-7b or llama-tiny")
     random_model.add_argument("--tokenizer-from", type=Path,
                               help="a model folder (default: the embedded default model)")
     random_model.add_argument("--dtype", default="bfloat16", help="bfloat16, float16, float32")
     random_model.add_argument("--device", default="cpu", help="where to initialise, e.g. cuda")
     random_model.add_argument("--seed", type=int, default=0)
 
+    load_memory.add_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     commands = {"load": _load, "sweep": _sweep, "peers": _peers, "plot": _plot,
                 "stall": _stall, "decode": _decode, "profile": _profile,
-                "random-model": _random_model}
+                "random-model": _random_model, "load-memory": load_memory.run}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message
@@ -292,7 +298,8 @@ def _profile(args: argparse.Namespace) -> int:
         raise ValueError("--batch-sizes must list integers >= 1, --steps must be >= 1 and "
                          "--warmup >= 0")
     run = run_profile(args.model_dir or ensure_default_model(), sizes, args.steps, args.warmup,
-                      args.strategy, args.dtype, args.device)
+                      args.strategy, args.dtype, args.device,
+                      tensor_parallel=args.tensor_parallel)
     print(run.table())
     if args.out:
         run.save(args.out)

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +20,11 @@ PRESETS: dict[str, dict] = {
     "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
                  "max_position_embeddings": 8192, "tie_word_embeddings": True},
+    # Llama-2-7B's shapes (6.7 B parameters with its 32,000-token vocabulary; with the default
+    # model's 49,152 tokens, 6.9 B): the size the LMI study served.
+    "llama-7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 32,
+                 "max_position_embeddings": 4096, "tie_word_embeddings": False},
     "llama-tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2,
                    "max_position_embeddings": 2048, "tie_word_embeddings": False},
@@ -41,9 +46,10 @@ def build_random_llama(out: Path, tokenizer_dir: Path, preset: str = "llama-1b",
     config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, **PRESETS[preset])
     torch.manual_seed(seed)
-    # Initialised where it will run: a 1B model in float32 takes minutes on a small CPU.
+    # Initialised where it will run and in its dtype: a 1B model in float32 takes minutes on a
+    # small CPU, and a 7B one in float32 would need 27 GB.
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(DTYPES[dtype]).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]).eval()
     num_params = sum(p.numel() for p in model.parameters())
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
