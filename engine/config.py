@@ -51,6 +51,8 @@ class EngineConfig:
     # Ranks the model is sharded over (Megatron-style, engine/parallel/); -1: every visible
     # GPU (1 on CPU).
     tensor_parallel_size: int = 1
+    # A collective that waits longer for a peer rank raises: that rank is taken for hung.
+    collective_timeout_s: float = 60.0
     seed: int = 0
     trust_remote_code: bool = False
 
@@ -76,6 +78,8 @@ class EngineConfig:
                self.quantize, f"None or one of {', '.join(QUANTIZATIONS)}")
         _check(self.tensor_parallel_size >= 1 or self.tensor_parallel_size == -1,
                "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1, or -1 (all)")
+        _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
+               "> 0 seconds")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a fraction in (0, 1]")
 

@@ -98,7 +98,9 @@ def build_rank_zero(config: EngineConfig) -> RankSetup:
     try:
         shard = Shard(0, size)
         device = rank_device(config, shard)
-        setup = build_rank(config, device, shard, init_group(shard, device, workers.store_path))
+        comm = init_group(shard, device, workers.store_path)
+        setup = build_rank(config, device, shard, comm)
+        comm.serving_timeout(config.collective_timeout_s)
     except BaseException:
         workers.kill()  # they may wait in a start-up collective for this rank
         workers.stop()

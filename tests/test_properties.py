@@ -134,3 +134,15 @@ def test_describe_lists_every_value_and_source() -> None:
 def test_shipped_properties_files_parse(name, strategy) -> None:
     settings = collect_settings(PROPERTIES_D / f"{name}.properties", {})
     assert build_serving_config(settings, Path("/m"), LLAMA).engine.batching == strategy
+
+
+@pytest.mark.parametrize(("text", "env", "size"), [
+    ("", {}, 1),
+    ("option.tensor_parallel_degree=2", {}, 2),
+    ("option.tensor_parallel_degree=max", {}, -1),
+    ("option.tensor_parallel_degree=-1", {}, -1),
+    ("", {"SM_NUM_GPUS": "4"}, 4),  # TGI/SageMaker's variable, as LMI honours it
+    ("option.tensor_parallel_degree=2", {"SM_NUM_GPUS": "4"}, 2),  # the file wins
+])
+def test_tensor_parallel_degree_and_sm_num_gpus(text, env, size) -> None:
+    assert resolve(text, env=env).engine.tensor_parallel_size == size

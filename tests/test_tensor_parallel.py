@@ -91,9 +91,10 @@ def test_a_degree_the_model_does_not_split_by_is_refused(llama) -> None:
         make_engine(llama[0], "paged", tensor_parallel_size=3)
 
 
-def config(path, tp: int) -> EngineConfig:
+def config(path, tp: int, **overrides) -> EngineConfig:
     return EngineConfig(model=str(path), batching="paged", max_num_seqs=4, dtype="float32",
-                        device="cpu", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=tp)
+                        device="cpu", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=tp,
+                        **overrides)
 
 
 def worker_pids(state: ServerState) -> list[int]:
@@ -101,8 +102,8 @@ def worker_pids(state: ServerState) -> list[int]:
     return [p.pid for p in core.children() if "engine.parallel.worker" in " ".join(p.cmdline())]
 
 
-def serve(path, tp: int) -> tuple[ServerState, object]:
-    state = ServerState(ServingConfig(engine=config(path, tp)))
+def serve(path, tp: int, **overrides) -> tuple[ServerState, object]:
+    state = ServerState(ServingConfig(engine=config(path, tp, **overrides)))
     state.serve(EngineClient.from_config(state.config.engine, 8, process=True))
     return state, create_app(state).test_client()
 
@@ -143,6 +144,27 @@ def test_a_worker_killed_mid_request_ends_it_with_an_error_and_nothing_hangs(lla
         wait_until(lambda: app.get("/ping").status_code == 503, timeout=10)
         core.join(10)
         assert not core.is_alive()  # rank 0 exits with its worker gone
+    finally:
+        state.shutdown(grace_seconds=0)
+
+
+def test_a_hung_worker_is_given_up_after_the_collective_timeout(llama) -> None:
+    """A stopped (not dead) worker: rank 0 waits in an all-reduce until the timeout, then ends
+    the request with an error and stops; the stopped worker is killed, not left behind."""
+    path, prompts, _ = llama
+    state, app = serve(path, 2, collective_timeout_s=3.0)
+    try:
+        (pid,) = worker_pids(state)
+        handle = state.engine.submit(GenerationRequest(tuple(prompts[0]), greedy(90)))
+        events = handle.events()
+        next(events)
+        worker = psutil.Process(pid)
+        worker.send_signal(signal.SIGSTOP)
+        last = list(events)[-1]
+        assert last.finish_reason == "error" and "tensor-parallel" in last.error
+        wait_until(lambda: app.get("/ping").status_code == 503, timeout=10)
+        wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE,
+                   timeout=10)
     finally:
         state.shutdown(grace_seconds=0)
 

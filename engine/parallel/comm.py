@@ -12,10 +12,7 @@ from engine.parallel.shard import Shard
 
 logger = logging.getLogger(__name__)
 
-# A collective that waits longer than this for a peer raises: the peer is taken for hung and the
-# engine stops (a step's ranks compute equal shares, so a healthy peer is never far behind).
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-
+STARTUP_TIMEOUT = timedelta(minutes=30)  # loading a large shard from slow storage
 
 class Collectives:
     """all_reduce for row-parallel outputs, gather_vocab for logits, agree_min for start-up."""
@@ -41,16 +38,24 @@ class Collectives:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def serving_timeout(self, seconds: float) -> None:
+        """From now on a collective that waits more than `seconds` for a peer raises: the peer
+        is taken for hung (a step's ranks compute equal shares, so a healthy peer is never far
+        behind)."""
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
     def agree_all(self, ok: bool) -> bool:
         """True only if every rank says so (start-up checks that must agree)."""
         return self.agree_min(int(ok)) == 1
 
 
 def init_group(shard: Shard, device: torch.device, store_path: str) -> Collectives:
-    """Join the ranks through a file store on this host; returns this rank's collectives."""
+    """Join the ranks through a file store on this host; returns this rank's collectives.
+    Until serving_timeout() a collective may wait STARTUP_TIMEOUT for a peer (ranks start
+    Python and load their shards at their own pace)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=shard.rank,
-                            world_size=shard.size, timeout=COLLECTIVE_TIMEOUT)
+                            world_size=shard.size, timeout=STARTUP_TIMEOUT)
     logger.info("tensor parallel: rank %d of %d joined (%s)", shard.rank, shard.size, backend)
     return Collectives(shard, device)
 

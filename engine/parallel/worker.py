@@ -43,6 +43,7 @@ def main() -> int:
     device = rank_device(args.config, shard)
     comm = init_group(shard, device, args.store_path)
     runner = build_rank(args.config, device, shard, comm).runner
+    comm.serving_timeout(args.config.collective_timeout_s)
     steps = 0
     try:
         while True:
