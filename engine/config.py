@@ -46,6 +46,9 @@ class EngineConfig:
     linear_backend: str = "auto"
     # Run every step eagerly: no CUDA graphs for decode (the vLLM / LMI key).
     enforce_eager: bool = False
+    # CI's stand-in for CUDA graphs: on CPU too, pure decode steps run padded to the graphs'
+    # buckets over their static buffers, checked at start-up (slower on CPU; for tests).
+    padded_decode_on_cpu: bool = False
     # None: weights in `dtype`; "int8": weight-only int8, one scale per output channel.
     quantize: str | None = None
     # Ranks the model is sharded over (Megatron-style, engine/parallel/); -1: every visible

@@ -69,6 +69,7 @@ class PaddedDecode:
         self.rows = torch.arange(max_batch, device=device)  # [max_batch]
         self.positions = torch.arange(max_pages * page_size, device=device)  # [T]
         self.attention = ReferenceAttention()
+        self.steps = 0  # decode steps run padded (tests check the path was taken)
         self.graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
 
     def bucket(self, batch_size: int, width: int) -> tuple[int, int] | None:
@@ -90,6 +91,7 @@ class PaddedDecode:
         bucket = self.bucket(batch_size, width)
         assert bucket is not None, "the runner checks fits() first"
         self.stage(tokens, decode, pages, bucket)
+        self.steps += 1
         forward = self.graphs.get(bucket)
         logits = forward() if forward is not None else self.forward(*bucket)
         return logits[:batch_size]

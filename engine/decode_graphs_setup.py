@@ -18,10 +18,17 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_num_seqs: int,
-                          max_model_len: int) -> bool:
-    """CUDA graphs for pure decode steps unless `enforce_eager`; returns whether they are on."""
+                          max_model_len: int, padded_on_cpu: bool = False) -> bool:
+    """CUDA graphs for pure decode steps unless `enforce_eager`; returns whether they are on.
+    With `padded_on_cpu`, a CPU runs the same padded buckets without graphs (CI's stand-in)."""
     if runner.device.type != "cuda":
-        return False
+        if not padded_on_cpu or enforce_eager:
+            return False
+        padded = runner.enable_padded_decode(max_num_seqs, max_model_len)
+        error = check_padded_decode(runner)
+        logger.info("padded decode on CPU (no graphs): batch buckets %s; max logit difference "
+                    "to eager %.3g", padded.batch_buckets, error)
+        return True
     if enforce_eager:
         logger.info("CUDA graphs off (option.enforce_eager=true): every step runs eagerly")
         return False

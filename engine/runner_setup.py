@@ -68,7 +68,7 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
         model.use_fused_cpu_ops(ops)
         runner.sampler.greedy = ops.greedy if ops is not None else None
     graphs = prepare_decode_graphs(runner, config.enforce_eager, config.max_num_seqs,
-                                   max_model_len)
+                                   max_model_len, config.padded_decode_on_cpu)
     # a collective, so every rank asks, whatever its own answer
     if comm is not None and not comm.agree_all(graphs) and graphs:
         logger.warning("CUDA graphs off: another tensor-parallel rank could not use them")

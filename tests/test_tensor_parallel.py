@@ -76,6 +76,21 @@ def test_four_ranks_replicate_kv_heads_and_survive_preemption(llama) -> None:
     assert preemptions > 0
 
 
+def test_two_ranks_through_the_padded_decode_path(llama) -> None:
+    """The CUDA graphs' padded buckets and static buffers (run without graphs on CPU) on every
+    rank, checked at start-up on each: the same tokens, and decode steps did take that path."""
+    path, prompts, refs = llama
+    reqs = [Req(f"r{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, NEW_TOKENS,
+                                                                         strict=True))]
+    engine = make_engine(path, "paged", tensor_parallel_size=2, padded_decode_on_cpu=True)
+    try:
+        drive(engine, reqs)
+        assert engine.runner.padded_decode.steps > 0
+    finally:
+        engine.close()
+    assert [r.tokens for r in reqs] == refs
+
+
 def test_tied_embeddings_and_a_vocabulary_that_does_not_split_evenly(tmp_path) -> None:
     """One KV head (replicated on both ranks), a tied LM head, llama3 RoPE and 321 token ids:
     the second rank's vocabulary slice has a padding row that must never be sampled."""
