@@ -63,7 +63,10 @@ def drive(engine: LLMEngine, reqs: list[Req], max_steps: int = 5000) -> None:
 
 
 def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, min_new_tokens=n, ignore_eos=True)
+    """Exactly n greedy tokens, EOS suppressed until then, as hf_greedy's min_new_tokens does
+    (transformers takes the model's EOS when the generation config leaves it unset). With
+    ignore_eos instead, EOS could be sampled where transformers suppresses it."""
+    return SamplingParams(max_new_tokens=n, min_new_tokens=n)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -12,6 +12,7 @@ from transformers import (
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 VOCAB_SIZE = 320
@@ -35,6 +36,7 @@ ARCH_CONFIGS = {
     "llama_linear": (LlamaConfig, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "mistral": (MistralConfig, {"num_key_value_heads": 2, "sliding_window": 12}),
     "qwen2": (Qwen2Config, {"num_key_value_heads": 2}),
+    "qwen3": (Qwen3Config, {"num_key_value_heads": 2, "head_dim": 16}),
 }
 
 

@@ -13,7 +13,7 @@ from engine import SamplingParams
 from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 
-ARCHS = ["llama", "llama_tied_llama3", "mistral", "qwen2"]
+ARCHS = ["llama", "llama_tied_llama3", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -91,3 +91,12 @@ def test_greedy_matches_transformers_generate_on_gpu(tiny, batching, backend) ->
     reqs = staggered(prompts, new_tokens)
     drive(make_engine(path, batching, device="cuda", attention_backend=backend), reqs)
     assert [r.tokens for r in reqs] == refs
+
+
+def test_layers_mixing_full_and_sliding_window_attention_are_refused(tmp_path) -> None:
+    """Qwen3 with use_sliding_window and max_window_layers: one mask for every layer would be
+    wrong for some of them, so start-up refuses rather than serve different tokens."""
+    path = build_tiny_model(tmp_path, arch="qwen3", use_sliding_window=True, sliding_window=8,
+                            max_window_layers=1)
+    with pytest.raises(ValueError, match="mixes full and sliding-window attention"):
+        make_engine(path, "paged")

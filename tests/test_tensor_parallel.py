@@ -195,3 +195,11 @@ def test_shards_split_heads_kv_heads_and_vocabulary() -> None:
     assert halves[0].vocab_rows(321) == 161
     with pytest.raises(ValueError, match="3 KV heads"):
         Shard(0, 2).check(num_heads=6, num_kv_heads=3, intermediate_size=8)
+
+
+def test_qwen3_q_and_k_norms_are_kept_whole_on_every_rank(tmp_path) -> None:
+    """Qwen3's per-head norms are the same on every rank; its heads split like Llama's."""
+    path = build_tiny_model(tmp_path, arch="qwen3")
+    prompts, refs = reference(path)
+    tokens, _ = run_staggered(path, prompts, "paged", tp=2)
+    assert tokens == refs

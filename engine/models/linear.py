@@ -170,7 +170,7 @@ def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.dev
     if config.quantize == "int8":
         if not hasattr(model, "pack_linears"):
             raise ValueError("invalid quantize='int8': needs a native model (Llama, Mistral, "
-                             "Qwen2)")
+                             "Qwen2, Qwen3)")
         count = model.pack_linears("int8", min(config.max_num_seqs, 64))
         logger.info("weights quantized to int8 (weight-only, per output channel): %d layers; "
                     "linear_backend is not used", count)

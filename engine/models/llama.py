@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA, SwiGLU; packed tokens."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE, GQA, SwiGLU; packed
+tokens. Qwen3 adds an RMSNorm over each q and k head before RoPE."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from engine.parallel.shard import Shard, rows_of_heads
 
 if TYPE_CHECKING:
     from engine.parallel.comm import Collectives
+
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
 class DecoderLayer(nn.Module):
@@ -42,13 +45,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
         self.scale = spec.head_dim ** -0.5
         self.fused: FusedCpuOps | None = None  # set by use_fused_cpu_ops
+        # Qwen3: one RMSNorm over the head dimension for q heads, one for k heads
+        self.q_norm = self.k_norm = None
+        if spec.architecture in QK_NORM_ARCHITECTURES:
+            self.q_norm, self.k_norm = RMSNorm(spec.head_dim, eps), RMSNorm(spec.head_dim, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
         if self.fused is not None:
             return self._forward_fused(x, cos, sin, meta, k_cache, v_cache)
         s = self.spec
-        qkv = self.qkv_proj(self.input_layernorm(x))  # [N, (H + 2 Hkv) * D]
+        qkv = self._norm_heads(self.qkv_proj(self.input_layernorm(x)))  # [N, (H + 2 Hkv) * D]
         # q and k are rotated in one pass (half the small ops of rotating each on its own)
         qk = qkv[:, :self.rotated_heads * s.head_dim].view(-1, self.rotated_heads, s.head_dim)
         q, k = apply_rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
@@ -59,6 +66,19 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self._sum(self.down_proj(F.silu(gate) * up))
 
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head q and k norms, in place in qkv [N, (H + 2 Hkv) * D] (so the fused
+        RoPE + KV write reads them); other models: qkv as it is."""
+        if self.q_norm is None:
+            return qkv
+        s = self.spec
+        q = qkv[:, :s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)
+        k = qkv[:, s.num_heads * s.head_dim:self.rotated_heads * s.head_dim].view(
+            -1, s.num_kv_heads, s.head_dim)
+        q.copy_(self.q_norm(q))
+        k.copy_(self.k_norm(k))
+        return qkv
+
     def _sum(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel output summed over the ranks (itself on one rank)."""
         return partial if self.comm is None else self.comm.all_reduce(partial)
@@ -68,7 +88,7 @@ class DecoderLayer(nn.Module):
         """The same layer with RMSNorm (+ residual add) and RoPE (+ KV write) as one C call
         each (engine/models/cpu_fused.py); CPU, float32."""
         ops, norm1, norm2 = self.fused, self.input_layernorm, self.post_attention_layernorm
-        qkv = self.qkv_proj(ops.rms_norm(x, norm1.weight, norm1.eps))
+        qkv = self._norm_heads(self.qkv_proj(ops.rms_norm(x, norm1.weight, norm1.eps)))
         q = ops.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                            self.spec.num_heads)
         attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
@@ -131,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def spec_from_config(arch: str, config: dict) -> ModelSpec:
         heads = config["num_attention_heads"]
-        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        window = _sliding_window(arch, config)
         return ModelSpec(
             architecture=arch, num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"], num_heads=heads,
@@ -220,6 +240,8 @@ class LlamaForCausalLM(nn.Module):
                 if name.endswith(".bias"):
                     return Placement(target, 0, everything if shard.rank == 0 else None)
                 return Placement(target, 0, (slice(None), columns))
+        if ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:  # every rank
+            return Placement(name.replace(".self_attn.", "."), 0, everything)
         return Placement(name, 0, everything)
 
     def expected_rows(self) -> dict[str, int]:
@@ -230,3 +252,18 @@ class LlamaForCausalLM(nn.Module):
             if name in rows:
                 rows[name] = len(self.vocab)
         return rows
+
+
+def _sliding_window(arch: str, config: dict) -> int | None:
+    """The one attention window of every layer (None: full attention). A model whose layers mix
+    full and sliding-window attention (`layer_types`, e.g. Qwen2/3 with use_sliding_window and
+    max_window_layers) is refused rather than run with the wrong mask."""
+    if not config.get("use_sliding_window", True) or config.get("sliding_window") is None:
+        return None
+    kinds = set(config.get("layer_types") or ["sliding_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return config["sliding_window"]
+    raise ValueError(f"{arch} mixes full and sliding-window attention layers (layer_types); "
+                     "that is not supported natively yet")

@@ -8,6 +8,7 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
 }
 
 # Unpickling a checkpoint can run arbitrary code: only safetensors are loaded.
