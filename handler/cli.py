@@ -55,7 +55,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"batchyard: configuration error: {err}", file=sys.stderr)
         return 2
     logger.info("configuration: %s", config.describe())
-    from handler.http.server import exit_on_load_failure, run_server
+    from handler.http.server import exit_on_engine_death, exit_on_load_failure, run_server
     from handler.http.state import ServerState
 
     port = args.port or int(os.environ.get("SAGEMAKER_BIND_TO_PORT") or DEFAULT_PORT)
@@ -65,8 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # /metrics, so that the queue, not the thread pool, is what turns requests away (503).
     spare = config.engine.max_num_seqs + config.job_queue_size + HTTP_SPARE_THREADS
     threads = int(os.environ.get("BATCHYARD_HTTP_THREADS") or spare)
-    run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay), args.host, port,
-               threads)
+    run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay,
+                                   on_engine_death=exit_on_engine_death), args.host, port, threads)
     return 0
 
 

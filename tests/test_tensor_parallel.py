@@ -28,6 +28,7 @@ from tests.engine_harness import (
     wait_until,
 )
 from tests.models_fixtures import build_tiny_model
+from tests.server_harness import running_server
 
 NEW_TOKENS = [12, 3, 16, 7]
 
@@ -182,6 +183,21 @@ def test_a_hung_worker_is_given_up_after_the_collective_timeout(llama) -> None:
                    timeout=10)
     finally:
         state.shutdown(grace_seconds=0)
+
+
+def test_the_server_exits_when_a_rank_dies_so_the_platform_replaces_it(llama, tmp_path) -> None:
+    """Through gunicorn: a worker rank killed while serving turns /ping 503 and the server
+    process exits (non-zero), the way a model that fails to load does."""
+    path, _, _ = llama
+    properties = ("option.rolling_batch=paged\noption.max_rolling_batch_size=4\n"
+                  f"option.max_model_len={MAX_MODEL_LEN}\noption.tensor_parallel_degree=2\n")
+    with running_server(tmp_path, path, properties) as server:
+        gunicorn = psutil.Process(server.process.pid)
+        (worker,) = [p for p in gunicorn.children(recursive=True)
+                     if "engine.parallel.worker" in " ".join(p.cmdline())]
+        worker.send_signal(signal.SIGKILL)
+        assert server.process.wait(timeout=30) != 0
+        assert "the engine stopped while serving" in server.log()
 
 
 def test_shards_split_heads_kv_heads_and_vocabulary() -> None:

@@ -63,3 +63,8 @@ def exit_on_load_failure() -> None:
     """Stop the whole server so that an orchestrator restarts it (gunicorn exits with 3)."""
     logging.shutdown()
     os._exit(WORKER_BOOT_ERROR)
+
+
+def exit_on_engine_death() -> None:
+    """The engine died while serving: stop the whole server the same way (exit 3)."""
+    exit_on_load_failure()

@@ -17,13 +17,19 @@ from handler.lmi.runner import HandlerRunner
 
 logger = logging.getLogger(__name__)
 
+ENGINE_WATCH_SECONDS = 0.5  # how often a serving engine's liveness is checked
+# After the engine dies, its requests in flight have ended with an error; this long is left
+# for those answers to go out before on_engine_death stops the server.
+ENGINE_DEATH_GRACE_SECONDS = 2.0
+
 
 class ServerState:
     """Loads the engine in the background; answers readiness without ever blocking on it."""
 
     def __init__(self, config: ServingConfig, prepare_model: Callable[[], Path] | None = None,
                  on_load_failure: Callable[[], None] | None = None,
-                 load_delay: float = 0.0) -> None:
+                 load_delay: float = 0.0,
+                 on_engine_death: Callable[[], None] | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
         self.model_name = Path(config.engine.model).name
@@ -34,6 +40,7 @@ class ServerState:
         self._prepare_model = prepare_model
         self._on_load_failure = on_load_failure
         self._load_delay = load_delay  # test hook: makes the loading phase observable
+        self._on_engine_death = on_engine_death
 
     def start_loading(self) -> None:
         threading.Thread(target=self._load, name="model-loader", daemon=True).start()
@@ -57,6 +64,21 @@ class ServerState:
         self.metrics.watch(client.gauges)
         client.start()
         self.status = "ready"
+        if self._on_engine_death is not None:
+            threading.Thread(target=self._watch_engine, name="engine-watch", daemon=True).start()
+
+    def _watch_engine(self) -> None:
+        """An engine that dies while serving (its core process killed, a tensor-parallel rank
+        lost) cannot come back: stop the server so that the platform replaces it."""
+        while self.status == "ready":
+            if not self.client.gauges().alive:
+                logger.error("the engine stopped while serving; the server exits so that it is "
+                             "restarted (SageMaker replaces the instance)")
+                time.sleep(ENGINE_DEATH_GRACE_SECONDS)
+                if self.status == "ready":  # not a shutdown that began meanwhile
+                    self._on_engine_death()
+                return
+            time.sleep(ENGINE_WATCH_SECONDS)
 
     def shutdown(self, grace_seconds: float) -> None:
         self.status = "stopping"
