@@ -92,6 +92,13 @@ def read_properties(path: Path) -> dict[str, Setting]:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read properties file {path}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"cannot read properties file {path}: not UTF-8 text (byte "
+                          f"0x{err.object[err.start]:02x} at offset {err.start}); is it a "
+                          "binary file?") from err
+    if "\x00" in text:  # valid UTF-8 can still be binary; NUL never belongs in a key=value
+        raise ConfigError(f"cannot read properties file {path}: it holds NUL bytes (offset "
+                          f"{text.index(chr(0))}); is it a binary file?")
     return parse_properties(text, str(path))
 
 
