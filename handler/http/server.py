@@ -11,6 +11,7 @@ from gunicorn.app.base import BaseApplication
 
 from handler.http.app import create_app
 from handler.http.state import ServerState
+from handler.http.worker import HEADER_LIMITS, JsonErrorWorker
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def run_server(make_state: Callable[[], ServerState], host: str, port: int,
                threads: int = 128) -> None:
     """Serve until SIGTERM/SIGINT (exit 0) or a failed model load (exit 3)."""
     options = {
-        "bind": f"{host}:{port}", "workers": 1, "worker_class": "gthread", "threads": threads,
+        "bind": f"{host}:{port}", "workers": 1, "worker_class": JsonErrorWorker,
+        "threads": threads, **HEADER_LIMITS,
         "worker_connections": max(1000, threads + 64),
         # The gthread worker's main loop heartbeats while requests run: long generations are
         # never killed by this timeout.
