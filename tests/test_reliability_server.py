@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from urllib.parse import urlparse
 
 import pytest
@@ -58,3 +59,65 @@ def test_a_malformed_request_line_gets_a_json_400(server) -> None:
     head, body = answer.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
     assert json.loads(body)["type"] == "BadRequest" and b"<html>" not in answer
+
+
+def send_and_hang_up(url: str, body: dict, path: str = "/invocations") -> socket.socket:
+    """Send a whole POST and return the open socket (the caller closes it: a disconnect)."""
+    address = urlparse(url)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((address.hostname, address.port), timeout=30)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def wait_for(condition, what: str, timeout: float = 30) -> None:
+    """Liveness only: a generous bound, not a timing assertion."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+LONG = {"inputs": "long", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
+DISCONNECTS = 'batchyard_aborted_requests_total{reason="client_disconnect"}'
+
+
+@pytest.mark.parametrize("path", ["/invocations", "/v1/chat/completions",
+                                  "/endpoints/x/invocations"])
+def test_a_non_streaming_client_that_hangs_up_aborts_its_request(server, path) -> None:
+    body = LONG if "chat" not in path else {
+        "messages": [{"role": "user", "content": "long"}], "max_tokens": 4000,
+        "ignore_eos": True}
+    before, tokens = server.metric(DISCONNECTS), server.metric("batchyard_generation_tokens")
+    sock = send_and_hang_up(server.url, body, path)
+    wait_for(lambda: server.metric("batchyard_running_sequences") == 1, "the request runs")
+    sock.close()
+    wait_for(lambda: server.metric(DISCONNECTS) == before + 1, "the request is aborted")
+    wait_for(lambda: server.metric("batchyard_kv_blocks_used") == 0, "its KV is freed")
+    assert server.metric("batchyard_running_sequences") == 0
+    assert server.metric('batchyard_requests_total{status="499"}') >= 1
+    assert server.metric("batchyard_generation_tokens") - tokens < 4000, "it ran to the end"
+
+
+def test_a_queued_request_whose_client_left_is_never_scheduled(server) -> None:
+    """4 streams fill max_rolling_batch_size=4 and keep running; a 5th request waits, its client
+    hangs up, and it leaves the queue while the 4 still run: it never got a slot."""
+    before = server.metric(DISCONNECTS)
+    streams = [requests.post(f"{server.url}/invocations", json={**LONG, "stream": True},
+                             stream=True, timeout=60) for _ in range(4)]
+    lines = [r.iter_lines() for r in streams]  # held: a dropped iterator closes its socket
+    try:
+        for line in lines:
+            next(line)
+        waiting = send_and_hang_up(server.url, LONG)
+        wait_for(lambda: server.metric("batchyard_queue_depth") == 1, "the 5th request waits")
+        waiting.close()
+        wait_for(lambda: server.metric(DISCONNECTS) == before + 1, "the waiting one is aborted")
+        assert server.metric("batchyard_queue_depth") == 0
+        assert server.metric("batchyard_running_sequences") == 4
+    finally:
+        for r in streams:
+            r.close()
+    wait_for(lambda: server.metric("batchyard_kv_blocks_used") == 0, "every block is free")
+    assert server.metric(DISCONNECTS) == before + 5

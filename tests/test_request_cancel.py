@@ -1,0 +1,61 @@
+"""RequestHandle.cancel_when: a request whose check turns true is aborted, queued or running."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine import EngineClient, GenerationRequest, SamplingParams
+from tests.engine_harness import make_engine, wait_until
+from tests.models_fixtures import build_tiny_model
+
+LONG = SamplingParams(max_new_tokens=80, min_new_tokens=80, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("cancel-model"))
+
+
+@pytest.fixture
+def client(model_dir):
+    client = EngineClient(make_engine(model_dir, "continuous", max_num_seqs=1), max_queued=4)
+    client.start()
+    yield client
+    client.shutdown(grace_seconds=0.0)
+
+
+def test_a_running_request_is_aborted_once_its_check_is_true(client) -> None:
+    gone = threading.Event()
+    handle = client.submit(GenerationRequest((5, 6, 7), LONG))
+    handle.cancel_when(gone.is_set)
+    events = []
+    for event in handle.events():
+        events.append(event)
+        if len(events) == 3:
+            gone.set()
+    assert handle.cancelled and events[-1].finish_reason == "abort"
+    assert events[-1].num_output_tokens < 80
+    wait_until(lambda: client.gauges().kv_blocks_used == 0)
+
+
+def test_a_queued_request_is_aborted_without_running(client) -> None:
+    """max_num_seqs=1: the second request waits behind the first and leaves the queue."""
+    first = client.submit(GenerationRequest((5, 6, 7), LONG))
+    queued = client.submit(GenerationRequest((8, 9), LONG))
+    queued.cancel_when(lambda: True)
+    events = list(queued.events())
+    assert queued.cancelled and events[-1].finish_reason == "abort"
+    assert events[-1].num_output_tokens == 0 and all(e.token_id is None for e in events)
+    assert list(first.events())[-1].finish_reason == "length"
+
+
+def test_a_check_that_raises_leaves_the_request_running(client) -> None:
+    def broken() -> bool:
+        raise OSError("socket gone strange")
+
+    handle = client.submit(GenerationRequest((5, 6, 7), SamplingParams(max_new_tokens=5)))
+    handle.cancel_when(broken)
+    assert list(handle.events())[-1].finish_reason in ("length", "eos_token")
+    assert not handle.cancelled
