@@ -152,12 +152,19 @@ class EngineLoop:
     def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
         """Queue validated requests, all or none; raises QueueFullError or EngineDeadError."""
         with self._lock:
-            if not self._accepting or not self.is_alive():
-                raise EngineDeadError("the engine is not accepting requests")
-            if len(self._handles) + len(requests) > self.capacity:
-                raise QueueFullError(f"{len(self._handles)} requests in flight; capacity is "
-                                     f"{self.capacity} (max running + job_queue_size)")
+            self._check_room(len(requests))
             return [self._queue(request) for request in requests]
+
+    def check_room(self, count: int) -> None:
+        with self._lock:
+            self._check_room(count)
+
+    def _check_room(self, count: int) -> None:
+        if not self._accepting or not self.is_alive():
+            raise EngineDeadError("the engine is not accepting requests")
+        if len(self._handles) + count > self.capacity:
+            raise QueueFullError(f"{len(self._handles)} requests in flight; capacity is "
+                                 f"{self.capacity} (max running + job_queue_size)")
 
     def abort(self, request_id: str) -> None:
         self._core.send(AbortRequest(request_id))

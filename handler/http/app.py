@@ -13,7 +13,15 @@ from engine import RequestError
 from handler.http import sagemaker_runtime
 from handler.http.chat import chat_completion, chat_names, parse_chat
 from handler.http.generate_route import serve_generate
-from handler.http.generation import JSONLINES, SSE, chat_lines, collect, stream_response, submit
+from handler.http.generation import (
+    JSONLINES,
+    SSE,
+    admit,
+    chat_lines,
+    collect,
+    stream_response,
+    submit,
+)
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
 from handler.lmi.bridge import request_content, request_properties, row_response
@@ -130,6 +138,7 @@ def _serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool
     if "messages" not in body:
         raise bad_request("field messages is required")
     chat = parse_chat(body, wants_stream=wants_stream)
+    admit(state, 1)
     try:
         prompt = state.engine.encode_chat(chat.messages)
     except RequestError as err:

@@ -3,6 +3,7 @@ answer, or stream it line by line (a client that goes away aborts its request)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import select
@@ -50,12 +51,26 @@ def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
     error and nothing of the request stays queued."""
     deadline = None if stream else time.monotonic() + state.config.predict_timeout
     requests = [GenerationRequest(tuple(ids), params, deadline) for ids in prompts]
-    try:
+    with engine_errors():
         handles = state.engine.submit_all(requests)
-        gone = client_gone_check(request.environ)
-        for handle in handles if gone is not None else ():
-            handle.cancel_when(gone)
-        return handles
+    gone = client_gone_check(request.environ)
+    for handle in handles if gone is not None else ():
+        handle.cancel_when(gone)
+    return handles
+
+
+def admit(state: ServerState, count: int) -> None:
+    """Refuse at once (503) what the engine could not take now, before tokenizing: under
+    overload a refusal costs no tokenizer time, so clients retrying at once cost little."""
+    with engine_errors():
+        state.engine.check_room(count)
+
+
+@contextlib.contextmanager
+def engine_errors() -> Iterator[None]:
+    """The engine boundary's refusals as HTTP errors."""
+    try:
+        yield
     except RequestError as err:
         raise bad_request(str(err)) from err
     except QueueFullError as err:
