@@ -25,6 +25,7 @@ _POLL_SECONDS = 0.5  # how often a waiting reader re-checks that events can stil
 # How often a reader with a cancel check (its client may have gone) runs it: a gone client's
 # request is aborted within this, queued or running.
 CANCEL_CHECK_SECONDS = 0.1
+_ABORT_WAIT_SECONDS = 2.0  # shutdown: how long aborted requests get to receive their end
 
 
 class QueueFullError(RuntimeError):
@@ -170,12 +171,25 @@ class EngineLoop:
         self._core.send(AbortRequest(request_id))
 
     def shutdown(self, grace_seconds: float) -> None:
-        """Stop accepting, let in-flight requests finish within the grace period, abort the rest."""
+        """Stop accepting, let in-flight requests finish within the grace period, abort the rest
+        (their final event says "abort": cut off by the shutdown), then stop the core."""
         with self._lock:
+            if self._stopping:
+                return
             self._accepting = False
         end = time.monotonic() + grace_seconds
         while self.num_in_flight and time.monotonic() < end and self._core.is_alive():
             time.sleep(0.05)
+        with self._lock:
+            left = list(self._handles)
+        if left:
+            logger.warning("shutdown: aborting %d requests still in flight after %.0f s",
+                           len(left), grace_seconds)
+        for request_id in left:
+            self._core.send(AbortRequest(request_id, FinishReason.ABORT, "server shutting down"))
+        end = time.monotonic() + _ABORT_WAIT_SECONDS  # their final events, through the core
+        while self.num_in_flight and time.monotonic() < end and self._core.is_alive():
+            time.sleep(0.01)
         self._stopping = True
         self._core.send(StopCore())
         self._core.join(5)

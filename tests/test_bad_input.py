@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,21 @@ def test_gunicorn_errors_are_json() -> None:
     assert f"Content-Length: {len(body)}".encode() in head
     error = json.loads(body)
     assert error["code"] == 431 and "8190 bytes" in error["message"]
+
+
+def test_drain_timeout_from_the_file_or_env_and_its_range() -> None:
+    from handler.config.properties import collect_settings, parse_properties
+    from handler.config.serving_config import build_serving_config
+
+    def resolve(text: str, env: dict) -> float:
+        settings = dict(collect_settings(None, env))
+        settings.update(parse_properties(text, "serving.properties"))
+        return build_serving_config(settings, Path("/m"), ["LlamaForCausalLM"]).drain_timeout
+
+    assert resolve("", {}) == 30.0
+    assert resolve("", {"OPTION_DRAIN_TIMEOUT": "5"}) == 5.0
+    assert resolve("option.drain_timeout=0", {"OPTION_DRAIN_TIMEOUT": "5"}) == 0.0
+    expected = (r"option.drain_timeout='-1' \(from env OPTION_DRAIN_TIMEOUT\): "
+                r"expected a number in \[0, 3600\]")
+    with pytest.raises(ConfigError, match=expected):
+        resolve("", {"OPTION_DRAIN_TIMEOUT": "-1"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from urllib.parse import urlparse
@@ -121,3 +122,27 @@ def test_a_queued_request_whose_client_left_is_never_scheduled(server) -> None:
             r.close()
     wait_for(lambda: server.metric("batchyard_kv_blocks_used") == 0, "every block is free")
     assert server.metric(DISCONNECTS) == before + 5
+
+
+def test_sigterm_answers_503_while_draining_and_cuts_off_with_an_error(model_dir,
+                                                                        tmp_path) -> None:
+    """option.drain_timeout=1: after SIGTERM /ping and new requests get a prompt 503 (not a
+    hang or a reset); a stream still running when the drain ends gets a final 503 error line;
+    the server exits 0."""
+    props = CONTINUOUS + "option.drain_timeout=1\n"
+    with running_server(tmp_path, model_dir, props) as srv:
+        stream = requests.post(f"{srv.url}/invocations", json={**LONG, "stream": True},
+                               stream=True, timeout=60)
+        lines = stream.iter_lines()
+        next(lines)
+        srv.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: requests.get(f"{srv.url}/ping", timeout=10).status_code == 503,
+                 "/ping turns 503")
+        assert "shutting down" in requests.get(f"{srv.url}/ping", timeout=10).json()["message"]
+        refused = requests.post(f"{srv.url}/invocations", json={"inputs": "x"}, timeout=10)
+        assert refused.status_code == 503 and refused.json()["type"] == "ServiceUnavailable"
+        last = json.loads([line for line in lines if line][-1])
+        assert last["code"] == 503 and "shutting down" in last["message"]
+        assert last["details"]["finish_reason"] == "error"
+        assert srv.process.wait(timeout=60) == 0
+        assert "aborting 1 requests still in flight after 1 s" in srv.log()

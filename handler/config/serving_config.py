@@ -40,6 +40,7 @@ ROLLING_VALUES = {"disable", "auto", "scheduler"} | PAGED_VALUES
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 DEFAULT_MAX_REQUEST_BYTES = 6 * 1024 * 1024  # SageMaker's InvokeEndpoint body limit
+DEFAULT_DRAIN_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ServingConfig:
     engine: EngineConfig
     job_queue_size: int = 1000
     predict_timeout: float = 120.0
+    drain_timeout: float = DEFAULT_DRAIN_SECONDS  # SIGTERM: how long in-flight requests get
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     engine_process: bool = True  # the engine core in a process of its own (else a thread)
     model_id: str | None = None
@@ -63,6 +65,7 @@ class ServingConfig:
                  f"max_num_seqs={e.max_num_seqs}", f"max_model_len={e.max_model_len or 'model'}",
                  f"dtype={e.dtype}", f"device={e.device}", f"job_queue_size={self.job_queue_size}",
                  f"predict_timeout={self.predict_timeout:g}s",
+                 f"drain_timeout={self.drain_timeout:g}s",
                  f"engine_process={self.engine_process}"]
         if e.quantize:
             parts.append(f"quantize={e.quantize}")
@@ -139,6 +142,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
     return ServingConfig(
         engine=engine, job_queue_size=r.integer("job_queue_size", 1000, 0),
         predict_timeout=r.number("option.predict_timeout", 120.0, 0.001),
+        drain_timeout=r.number("option.drain_timeout", DEFAULT_DRAIN_SECONDS, 0.0, 3600.0),
         max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
         engine_process=r.flag("option.engine_process", True),
         model_id=model_id_setting(settings), strategy_reason=why,

@@ -59,6 +59,8 @@ class ServerState:
         self.status = "ready"
 
     def shutdown(self, grace_seconds: float) -> None:
+        """/ping and new requests answer 503 from now on; requests in flight get grace_seconds
+        to finish, then end with a 503 error (a stream: its last line)."""
         self.status = "stopping"
         if self.client is not None:
             self.client.shutdown(grace_seconds)

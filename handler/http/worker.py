@@ -1,11 +1,17 @@
 """The gunicorn worker: gthread, with errors gunicorn answers itself (a request line or headers
 over the limits, a malformed request) written as JSON in the server's error shape instead of
-gunicorn's HTML page."""
+gunicorn's HTML page, and a SIGTERM that drains while it keeps answering.
+
+gthread's own SIGTERM handling stops accepting at once and leaves the listening socket open
+until the worker exits: a client connecting meanwhile hangs, then gets a reset. Here the worker
+keeps accepting while the app drains, so /ping and new requests get a prompt 503; it stops
+accepting only once the drain is over."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 
 from gunicorn import util
 from gunicorn.workers.gthread import ThreadWorker
@@ -47,10 +53,33 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
 
 
 class JsonErrorWorker(ThreadWorker):
-    """gunicorn's gthread worker whose own error answers are JSON."""
+    """gunicorn's gthread worker: JSON error answers, and a drain on SIGTERM."""
 
     def init_process(self) -> None:
         # gunicorn writes parse errors through this module function; the worker process is
         # ours alone, so replacing it here changes nothing for any other program.
         util.write_error = write_json_error
+        self._draining = False
         super().init_process()
+
+    def handle_exit(self, sig, frame) -> None:
+        """SIGTERM: drain on a thread (a signal handler must return quickly); the main loop
+        keeps accepting until the drain is over."""
+        if self._draining or not self.alive:
+            return
+        self._draining = True
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        state = getattr(self.app, "state", None)
+        try:
+            if state is not None:
+                logger.info("SIGTERM: draining for up to %g s", state.config.drain_timeout)
+                state.shutdown(state.config.drain_timeout)
+        except Exception:
+            logger.exception("drain failed")
+        finally:
+            # gthread's own shutdown from here: stop accepting, finish writing the answers
+            # in flight (gunicorn's graceful_timeout), close.
+            self.alive = False
+            self.method_queue.defer(lambda: None)  # wake the main loop
