@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
@@ -59,3 +60,20 @@ def test_a_check_that_raises_leaves_the_request_running(client) -> None:
     handle.cancel_when(broken)
     assert list(handle.events())[-1].finish_reason in ("length", "eos_token")
     assert not handle.cancelled
+
+
+def test_client_gone_check_on_a_real_socket() -> None:
+    """Open and quiet: here. Pipelined bytes waiting: here. Closed by the peer: gone."""
+    from handler.http.generation import client_gone_check
+
+    assert client_gone_check({}) is None  # no socket (Flask's test client): nothing to watch
+    server, peer = socket.socketpair()
+    server.settimeout(30)  # as a server socket may have: the check must not wait on it
+    with server, peer:
+        gone = client_gone_check({"gunicorn.socket": server})
+        assert gone is not None and not gone()
+        peer.sendall(b"GET /ping HTTP/1.1\r\n")
+        assert not gone() and not gone()  # peeked, not consumed
+        assert server.recv(100).startswith(b"GET")
+        peer.close()
+        assert gone()
