@@ -55,7 +55,9 @@ def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
         raise bad_request("top_logprobs must be an integer from 0 to 20, with logprobs true")
     parameters = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos")
                   if body.get(k) is not None}
-    max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    # OpenAI's newer name wins when given, as before; errors then name it.
+    max_field = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
+                 else "max_tokens")
     if body.get(max_field) is not None:
         parameters["max_new_tokens"] = body[max_field]
     try:
