@@ -11,17 +11,20 @@ from engine import EngineClient, GenerationRequest, SamplingParams
 from tests.engine_harness import make_engine, wait_until
 from tests.models_fixtures import build_tiny_model
 
-LONG = SamplingParams(max_new_tokens=80, min_new_tokens=80, ignore_eos=True)
+# Far longer than the 0.1 s between checks could ever cover, so the abort lands mid-way.
+LONG = SamplingParams(max_new_tokens=4000, min_new_tokens=4000, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("cancel-model"))
+    return build_tiny_model(tmp_path_factory.mktemp("cancel-model"),
+                            max_position_embeddings=4096)
 
 
 @pytest.fixture
 def client(model_dir):
-    client = EngineClient(make_engine(model_dir, "continuous", max_num_seqs=1), max_queued=4)
+    client = EngineClient(make_engine(model_dir, "continuous", max_num_seqs=1,
+                                      max_model_len=4096), max_queued=4)
     client.start()
     yield client
     client.shutdown(grace_seconds=0.0)
@@ -37,7 +40,7 @@ def test_a_running_request_is_aborted_once_its_check_is_true(client) -> None:
         if len(events) == 3:
             gone.set()
     assert handle.cancelled and events[-1].finish_reason == "abort"
-    assert events[-1].num_output_tokens < 80
+    assert events[-1].num_output_tokens < 4000
     wait_until(lambda: client.gauges().kv_blocks_used == 0)
 
 
@@ -49,7 +52,8 @@ def test_a_queued_request_is_aborted_without_running(client) -> None:
     events = list(queued.events())
     assert queued.cancelled and events[-1].finish_reason == "abort"
     assert events[-1].num_output_tokens == 0 and all(e.token_id is None for e in events)
-    assert list(first.events())[-1].finish_reason == "length"
+    first.abort()
+    assert list(first.events())[-1].finish_reason == "abort"
 
 
 def test_a_check_that_raises_leaves_the_request_running(client) -> None:
