@@ -78,7 +78,7 @@ def workload_jobs(args: argparse.Namespace, model_dir: Path | None) -> tuple[lis
 
 def size_bytes(text: str, what: str) -> int:
     """`720MiB`, `2GiB`, `4096`… as bytes (the units serving.properties accepts)."""
-    from handler.config.serving_config import parse_size
+    from handler.config.reader import parse_size
 
     size = parse_size(text)
     if size is None:

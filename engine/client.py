@@ -6,7 +6,6 @@ Nothing behind it (tokenizer, scheduler, allocator) is for callers to touch."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 
 from jinja2 import TemplateError
@@ -18,6 +17,7 @@ from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.loop import Core, EngineLoop, RequestHandle
 from engine.outputs import Gauges, StepStats
 from engine.sampling_params import RequestError
+from engine.tokenizer_pool import MAX_CHARS_PER_TOKEN, TokenizerPool
 
 
 class EngineClient:
@@ -53,9 +53,10 @@ class EngineClient:
 
     def _init(self, core: Core, tokenizer, limits: RequestLimits, config: EngineConfig,
               max_queued: int, on_step: Callable[[StepStats], None] | None) -> None:
-        self._tokenizer = tokenizer
-        self._tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share
+        # The loop's output thread detokenizes with `tokenizer`; callers borrow copies.
+        self._tokenizers = TokenizerPool(tokenizer)
         self._limits = limits
+        self.max_prompt_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
         self._loop = EngineLoop(core, tokenizer, config.max_num_seqs, max_queued, on_step)
 
     def start(self) -> None:
@@ -67,28 +68,45 @@ class EngineClient:
 
     # --- text ---
 
-    def encode(self, text: str) -> list[int]:
-        with self._tokenizer_lock:
-            return self._tokenizer.encode(text)
+    def encode(self, text: str, *, truncating: bool = False) -> list[int]:
+        """Token ids of a prompt; one too long to ever fit is refused before tokenizing unless
+        the caller keeps only its last tokens (`truncating`)."""
+        if not truncating:
+            self._check_chars(len(text), "inputs")
+        with self._tokenizers.borrow() as tokenizer:
+            return tokenizer.encode(text)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The model's chat template applied, ready to generate the assistant's turn."""
-        with self._tokenizer_lock:
-            if not self._tokenizer.chat_template:
+        self._check_chars(sum(len(str(m.get("content", ""))) for m in messages), "messages")
+        with self._tokenizers.borrow() as tokenizer:
+            if not tokenizer.chat_template:
                 raise RequestError("this model has no chat template; send {\"inputs\": ...}",
                                    "messages")
             try:
-                text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                           tokenize=False)
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=False)
             except TemplateError as err:  # e.g. the template wants alternating roles
                 raise RequestError(f"messages do not fit the model's chat template: {err}",
                                    "messages") from err
-            return self._tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of token ids, e.g. one logprob alternative's."""
-        with self._tokenizer_lock:
-            return self._tokenizer.decode(list(token_ids))
+        with self._tokenizers.borrow() as tokenizer:
+            return tokenizer.decode(list(token_ids))
+
+    def _check_chars(self, chars: int, field: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise RequestError(
+                f"{field} has {chars} characters; at most {self.max_prompt_chars} "
+                f"(max_model_len {self._limits.max_model_len} x {MAX_CHARS_PER_TOKEN}) are "
+                "tokenized: more could never fit in max_model_len tokens", field)
+
+    def check_room(self, count: int) -> None:
+        """Raise QueueFullError if `count` more requests would not be admitted now: a cheap
+        refusal before any tokenizing (submit checks again, atomically)."""
+        self._loop.check_room(count)
 
     # --- requests ---
 

@@ -22,6 +22,10 @@ from engine.sequence import FinishReason
 logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.5  # how often a waiting reader re-checks that events can still come
+# How often a reader with a cancel check (its client may have gone) runs it: a gone client's
+# request is aborted within this, queued or running.
+CANCEL_CHECK_SECONDS = 0.1
+_ABORT_WAIT_SECONDS = 2.0  # shutdown: how long aborted requests get to receive their end
 
 
 class QueueFullError(RuntimeError):
@@ -53,19 +57,44 @@ class RequestHandle:
         self._loop = loop
         self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self.finished = False
+        self.cancelled = False  # aborted because cancel_when's check said so
+        self._cancel_check: Callable[[], bool] | None = None
+
+    def cancel_when(self, check: Callable[[], bool]) -> None:
+        """While events() waits, run `check` every CANCEL_CHECK_SECONDS; once it is true, abort
+        the request (e.g. its client closed the connection), so that it frees its KV and, if it
+        still waits, is never scheduled. The final event then has finish_reason "abort"."""
+        self._cancel_check = check
 
     def events(self) -> Iterator[TokenEvent]:
         """Yield token events until the final one (which has a finish_reason)."""
+        poll = _POLL_SECONDS if self._cancel_check is None else CANCEL_CHECK_SECONDS
+        next_check = time.monotonic()  # at once: a client may leave before it is scheduled
         while not self.finished:
+            if self._cancel_check is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + poll
+                self._check_cancel()
             try:
-                event = self._events.get(timeout=_POLL_SECONDS)
+                event = self._events.get(timeout=poll)
             except queue.Empty:
-                if not self._loop.is_delivering():
-                    event = self._dead_event()
-                else:
-                    continue
+                event = None if self._loop.is_delivering() else self._dead_event()
+            if event is None:
+                continue
             self.finished = event.finished
             yield event
+
+    def _check_cancel(self) -> None:
+        assert self._cancel_check is not None
+        if self.cancelled or self.finished:
+            return
+        try:
+            gone = self._cancel_check()
+        except Exception:  # a broken check must not end a live request
+            logger.exception("cancel check failed")
+            return
+        if gone:
+            self.cancelled = True
+            self.abort()
 
     def abort(self) -> None:
         """Stop generating for this request and free its KV (no-op once finished)."""
@@ -124,23 +153,43 @@ class EngineLoop:
     def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
         """Queue validated requests, all or none; raises QueueFullError or EngineDeadError."""
         with self._lock:
-            if not self._accepting or not self.is_alive():
-                raise EngineDeadError("the engine is not accepting requests")
-            if len(self._handles) + len(requests) > self.capacity:
-                raise QueueFullError(f"{len(self._handles)} requests in flight; capacity is "
-                                     f"{self.capacity} (max running + job_queue_size)")
+            self._check_room(len(requests))
             return [self._queue(request) for request in requests]
+
+    def check_room(self, count: int) -> None:
+        with self._lock:
+            self._check_room(count)
+
+    def _check_room(self, count: int) -> None:
+        if not self._accepting or not self.is_alive():
+            raise EngineDeadError("the engine is not accepting requests")
+        if len(self._handles) + count > self.capacity:
+            raise QueueFullError(f"{len(self._handles)} requests in flight; capacity is "
+                                 f"{self.capacity} (max running + job_queue_size)")
 
     def abort(self, request_id: str) -> None:
         self._core.send(AbortRequest(request_id))
 
     def shutdown(self, grace_seconds: float) -> None:
-        """Stop accepting, let in-flight requests finish within the grace period, abort the rest."""
+        """Stop accepting, let in-flight requests finish within the grace period, abort the rest
+        (their final event says "abort": cut off by the shutdown), then stop the core."""
         with self._lock:
+            if self._stopping:
+                return
             self._accepting = False
         end = time.monotonic() + grace_seconds
         while self.num_in_flight and time.monotonic() < end and self._core.is_alive():
             time.sleep(0.05)
+        with self._lock:
+            left = list(self._handles)
+        if left:
+            logger.warning("shutdown: aborting %d requests still in flight after %.0f s",
+                           len(left), grace_seconds)
+        for request_id in left:
+            self._core.send(AbortRequest(request_id, FinishReason.ABORT, "server shutting down"))
+        end = time.monotonic() + _ABORT_WAIT_SECONDS  # their final events, through the core
+        while self.num_in_flight and time.monotonic() < end and self._core.is_alive():
+            time.sleep(0.01)
         self._stopping = True
         self._core.send(StopCore())
         self._core.join(5)

@@ -47,7 +47,9 @@ class SamplingParams:
                  f"must be 0 (greedy) or between {low:g} and {high:g}", self.temperature)
         _require(not self.do_sample or self.temperature > 0, "temperature",
                  "must be > 0 when do_sample is true", self.temperature)
-        _require(self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)", self.top_k)
+        # Bounded above too: the sampler packs it into an int64 tensor with the batch's others.
+        _require(0 <= self.top_k < 2**31, "top_k", "must be between 0 (off) and 2**31 - 1",
+                 self.top_k)
         _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         low, high = REPETITION_PENALTY_RANGE
         _require(low <= self.repetition_penalty <= high, "repetition_penalty",

@@ -66,7 +66,8 @@ def run_serve(args: argparse.Namespace) -> int:
     spare = config.engine.max_num_seqs + config.job_queue_size + HTTP_SPARE_THREADS
     threads = int(os.environ.get("BATCHYARD_HTTP_THREADS") or spare)
     run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay,
-                                   on_engine_death=exit_on_engine_death), args.host, port, threads)
+                                   on_engine_death=exit_on_engine_death),
+               args.host, port, threads, config.drain_timeout)
     return 0
 
 

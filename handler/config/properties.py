@@ -35,7 +35,7 @@ ENGINE_KEYS = {
     "enable_prefix_caching", "gpu_memory_utilization", "num_kv_blocks", "kv_cache_memory",
     "device", "max_request_size", "seed", "attention_backend", "linear_backend",
     "enforce_eager", "engine_process", "entryPoint", "handler", "input_formatter",
-    "output_formatter", "tgi_compat", "quantize",
+    "output_formatter", "tgi_compat", "quantize", "drain_timeout",
 } | ROLLING_KEYS
 # LMI's camelCase keys; env names arrive lower-cased (OPTION_ENTRYPOINT → option.entrypoint).
 CAMEL_CASE = {k.lower(): k for k in ("entryPoint", "maxWorkers", "minWorkers")}
@@ -92,6 +92,13 @@ def read_properties(path: Path) -> dict[str, Setting]:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read properties file {path}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"cannot read properties file {path}: not UTF-8 text (byte "
+                          f"0x{err.object[err.start]:02x} at offset {err.start}); is it a "
+                          "binary file?") from err
+    if "\x00" in text:  # valid UTF-8 can still be binary; NUL never belongs in a key=value
+        raise ConfigError(f"cannot read properties file {path}: it holds NUL bytes (offset "
+                          f"{text.index(chr(0))}); is it a binary file?")
     return parse_properties(text, str(path))
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from handler.config.properties import (
     Setting,
     model_id_setting,
 )
+from handler.config.reader import Reader
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,8 @@ PAGED_VALUES = {"vllm", "lmi-dist", "paged"}
 ROLLING_VALUES = {"disable", "auto", "scheduler"} | PAGED_VALUES
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024,
-              "mib": 1024**2, "gib": 1024**3}
 DEFAULT_MAX_REQUEST_BYTES = 6 * 1024 * 1024  # SageMaker's InvokeEndpoint body limit
+DEFAULT_DRAIN_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,7 @@ class ServingConfig:
     engine: EngineConfig
     job_queue_size: int = 1000
     predict_timeout: float = 120.0
+    drain_timeout: float = DEFAULT_DRAIN_SECONDS  # SIGTERM: how long in-flight requests get
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     engine_process: bool = True  # the engine core in a process of its own (else a thread)
     model_id: str | None = None
@@ -65,6 +65,7 @@ class ServingConfig:
                  f"max_num_seqs={e.max_num_seqs}", f"max_model_len={e.max_model_len or 'model'}",
                  f"dtype={e.dtype}", f"device={e.device}", f"job_queue_size={self.job_queue_size}",
                  f"predict_timeout={self.predict_timeout:g}s",
+                 f"drain_timeout={self.drain_timeout:g}s",
                  f"engine_process={self.engine_process}"]
         if e.quantize:
             parts.append(f"quantize={e.quantize}")
@@ -78,75 +79,7 @@ class ServingConfig:
         return "; ".join(parts) + (f" | from: {sources}" if sources else "")
 
 
-class _Reader:
-    """Typed access to settings; every failure names key, value, source and what is allowed."""
-
-    def __init__(self, settings: Mapping[str, Setting]) -> None:
-        self.settings = settings
-
-    def raw(self, key: str) -> str | None:
-        s = self.settings.get(key)
-        return s.value.strip() if s is not None else None
-
-    def fail(self, key: str, allowed: str):
-        s = self.settings[key]
-        raise ConfigError(f"invalid {key}={s.value!r} (from {s.source}): expected {allowed}")
-
-    def integer(self, key: str, default: int | None, minimum: int = 1) -> int | None:
-        value = self.raw(key)
-        if value is None:
-            return default
-        if not re.fullmatch(r"[+-]?\d+", value) or int(value) < minimum:
-            self.fail(key, f"an integer >= {minimum}")
-        return int(value)
-
-    def number(self, key: str, default: float, low: float, high: float | None = None) -> float:
-        value = self.raw(key)
-        if value is None:
-            return default
-        try:
-            number = float(value)
-        except ValueError:
-            number = float("nan")
-        if not (number >= low and (high is None or number <= high)):
-            self.fail(key, f"a number in [{low:g}, {'inf' if high is None else f'{high:g}'}]")
-        return number
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.raw(key)
-        if value is None:
-            return default
-        if value.lower() not in ("true", "false"):
-            self.fail(key, "true or false")
-        return value.lower() == "true"
-
-    def choice(self, key: str, default: str, allowed: Mapping[str, str] | set[str]) -> str:
-        value = self.raw(key)
-        if value is None:
-            return default
-        if value.lower() not in allowed:
-            self.fail(key, f"one of {', '.join(sorted(allowed))}")
-        return allowed[value.lower()] if isinstance(allowed, Mapping) else value.lower()
-
-    def size(self, key: str) -> int | None:
-        value = self.raw(key)
-        if value is None:
-            return None
-        size = parse_size(value)
-        if size is None:
-            self.fail(key, "a positive size in bytes, optionally with KiB/MiB/GiB or KB/MB/GB")
-        return size
-
-
-def parse_size(value: str) -> int | None:
-    """`720MiB`, `1.5 GB`, `4096`… as bytes; None when it is not a positive size."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", value.strip())
-    if m is None or m.group(2).lower() not in SIZE_UNITS or float(m.group(1)) <= 0:
-        return None
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
-
-
-def select_strategy(r: _Reader, batch_size: int, architectures: list[str]) -> tuple[str, str]:
+def select_strategy(r: Reader, batch_size: int, architectures: list[str]) -> tuple[str, str]:
     """(strategy, why) from rolling_batch, batch_size and the model's architecture."""
     rolling = r.choice("option.rolling_batch", "disable", ROLLING_VALUES)
     if rolling != "disable" and batch_size > 1:
@@ -173,7 +106,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
     """Validate every setting and pick the strategy; raises ConfigError on the first bad one."""
     _warn_unknown(settings)
     apply_key_policy(settings)
-    r = _Reader(settings)
+    r = Reader(settings)
     batch_size = r.integer("batch_size", 1)
     strategy, why = select_strategy(r, batch_size, architectures)
     max_num_seqs = {"none": 1, "dynamic": batch_size}.get(
@@ -207,13 +140,14 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
     return ServingConfig(
         engine=engine, job_queue_size=r.integer("job_queue_size", 1000, 0),
         predict_timeout=r.number("option.predict_timeout", 120.0, 0.001),
+        drain_timeout=r.number("option.drain_timeout", DEFAULT_DRAIN_SECONDS, 0.0, 3600.0),
         max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
         engine_process=r.flag("option.engine_process", True),
         model_id=model_id_setting(settings), strategy_reason=why,
         lmi=read_lmi_options(r, model_dir), settings=dict(settings))
 
 
-def read_tensor_parallel(r: _Reader) -> int:
+def read_tensor_parallel(r: Reader) -> int:
     """N ranks, or `max` / -1 (LMI's spellings) for every visible GPU; SM_NUM_GPUS lands here."""
     value = (r.raw("option.tensor_parallel_degree") or "1").lower()
     if value in ("max", "-1"):
@@ -221,7 +155,7 @@ def read_tensor_parallel(r: _Reader) -> int:
     return r.integer("option.tensor_parallel_degree", 1)
 
 
-def read_quantize(r: _Reader) -> str | None:
+def read_quantize(r: Reader) -> str | None:
     """int8 weight-only, quantized at load; LMI's checkpoint formats are refused."""
     value = (r.raw("option.quantize") or "none").lower()
     if value == "none":
@@ -233,7 +167,7 @@ def read_quantize(r: _Reader) -> str | None:
     return value
 
 
-def read_lmi_options(r: _Reader, model_dir: Path) -> LmiOptions:
+def read_lmi_options(r: Reader, model_dir: Path) -> LmiOptions:
     entry, handler = r.raw("option.entryPoint") or None, r.raw("option.handler") or "handle"
     if entry is not None:
         entry = check_entry_point(entry, model_dir, r.settings["option.entryPoint"].source)

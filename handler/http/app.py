@@ -11,16 +11,23 @@ from werkzeug.exceptions import HTTPException
 
 from engine import RequestError
 from handler.http import sagemaker_runtime
-from handler.http.chat import chat_completion, parse_chat
+from handler.http.chat import chat_completion, chat_names, parse_chat
 from handler.http.generate_route import serve_generate
-from handler.http.generation import JSONLINES, SSE, chat_lines, collect, stream_response, submit
+from handler.http.generation import (
+    JSONLINES,
+    SSE,
+    admit,
+    chat_lines,
+    collect,
+    stream_response,
+    submit,
+)
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
 from handler.lmi.bridge import request_content, request_properties, row_response
 from handler.lmi.runner import RunnerFull
 
 logger = logging.getLogger(__name__)
-
 
 
 def create_app(state: ServerState) -> Flask:
@@ -86,6 +93,11 @@ def _as_model_error(state: ServerState, call) -> Response:
         error = err if isinstance(err, HTTPError) else _from_werkzeug(state, err)
         _count(state, error)
         return sagemaker_runtime.model_error(error)
+    except Exception:  # as SageMaker reports a container's 500: ModelError, sanitized
+        logger.exception("unhandled error in request")
+        error = HTTPError(500, "InternalServerError", "internal error; see server logs")
+        _count(state, error)
+        return sagemaker_runtime.model_error(error)
     if response.status_code >= 400:  # a custom handler's own error answer
         return sagemaker_runtime.model_error_from(response)
     return response
@@ -126,11 +138,17 @@ def _serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool
     if "messages" not in body:
         raise bad_request("field messages is required")
     chat = parse_chat(body, wants_stream=wants_stream)
+    admit(state, 1)
     try:
         prompt = state.engine.encode_chat(chat.messages)
     except RequestError as err:
         raise bad_request(str(err)) from err
-    [handle] = submit(state, [prompt], chat.params, stream=chat.stream)
+    try:
+        [handle] = submit(state, [prompt], chat.params, stream=chat.stream)
+    except HTTPError as err:
+        if err.code == 400:  # e.g. the length limit, in the chat body's field names
+            err.message = chat_names(err.message, chat.max_field)
+        raise
     if chat.stream:
         return stream_response(chat_lines(state, chat, handle), handle, state, sse=sse,
                                done_line=sse, start=start)
@@ -143,7 +161,11 @@ def _read_body() -> dict:
     mimetype = request.mimetype or "application/json"
     raw = request.get_data(cache=False)
     if mimetype == "text/plain":
-        return {"inputs": raw.decode("utf-8", errors="replace")}
+        try:
+            return {"inputs": raw.decode("utf-8")}
+        except UnicodeDecodeError as err:  # replacement characters would change the prompt
+            raise bad_request(f"the text/plain body is not valid UTF-8 (byte {err.start}); "
+                              "send UTF-8 text") from err
     if mimetype != "application/json" and not mimetype.endswith("+json"):
         raise HTTPError(415, "UnsupportedMediaType",
                         f"content type {mimetype} is not supported; use application/json")
@@ -152,6 +174,9 @@ def _read_body() -> dict:
         json.dumps(body, ensure_ascii=False).encode("utf-8")  # lone surrogates: not text
     except (json.JSONDecodeError, UnicodeDecodeError, UnicodeEncodeError, ValueError) as err:
         raise bad_request(f"malformed JSON body: {_short(str(err))}") from err
+    except RecursionError as err:  # the parser recurses once per level of [ or {
+        raise bad_request("malformed JSON body: arrays/objects nested too deeply for the "
+                          "parser (keep nesting well under 1000 levels)") from err
     if not isinstance(body, dict):
         raise bad_request("the JSON body must be an object")
     return body

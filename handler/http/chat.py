@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import TokenEvent
-from handler.http.schemas import bad_request, sampling_params
+from handler.http.schemas import HTTPError, bad_request, sampling_params
 
 _CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature",
                 "top_p", "seed", "stop", "stream", "logprobs", "top_logprobs", "n",
@@ -26,6 +27,7 @@ class ChatRequest:
     logprobs: bool
     completion_id: str
     created: int
+    max_field: str = "max_tokens"  # the body's name for max_new_tokens, used in errors
 
 
 def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
@@ -53,11 +55,25 @@ def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
         raise bad_request("top_logprobs must be an integer from 0 to 20, with logprobs true")
     parameters = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos")
                   if body.get(k) is not None}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        parameters["max_new_tokens"] = max_tokens
-    return ChatRequest(messages, sampling_params(parameters, top_logprobs), stream, logprobs,
-                       f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+    # OpenAI's newer name wins when given, as before; errors then name it.
+    max_field = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
+                 else "max_tokens")
+    if body.get(max_field) is not None:
+        parameters["max_new_tokens"] = body[max_field]
+    try:
+        params = sampling_params(parameters, top_logprobs)
+    except HTTPError as err:
+        raise bad_request(chat_names(err.message, max_field)) from err
+    return ChatRequest(messages, params, stream, logprobs, f"chatcmpl-{uuid.uuid4().hex}",
+                       int(time.time()), max_field)
+
+
+def chat_names(message: str, max_field: str = "max_tokens") -> str:
+    """An error message in the chat body's own field names: chat fields are top-level, and the
+    client sent max_tokens (or max_completion_tokens), not max_new_tokens."""
+    message = message.replace("parameters.", "").replace("stop_sequences", "stop")
+    message = re.sub(r"\bmax_new_tokens\b", max_field, message)
+    return re.sub(r"\binputs tokens\b", "messages tokens", message)
 
 
 def _logprobs(events: list[TokenEvent], decode: Callable[[list[int]], str]) -> dict:

@@ -9,7 +9,9 @@ from handler.http.generation import (
     JSONLINES,
     SSE,
     Lines,
+    admit,
     collect,
+    engine_errors,
     generate_lines,
     stream_response,
     submit,
@@ -28,7 +30,10 @@ def serve_generate(state: ServerState, body: dict, accept: str, start: float) ->
     wants_stream = JSONLINES in accept or SSE in accept or (
         name in ("jsonlines", "sse") and not is_list)
     gen = parse_generate(body, wants_stream=wants_stream, details_default=name == "tgi")
-    prompts = [_truncated(state.engine.encode(text), gen.truncate) for text in gen.inputs]
+    admit(state, len(gen.inputs))
+    with engine_errors():  # a prompt too long to tokenize
+        prompts = [_truncated(state.engine.encode(text, truncating=gen.truncate is not None),
+                              gen.truncate) for text in gen.inputs]
     handles = submit(state, prompts, gen.params, stream=gen.stream)
     decode = state.engine.decode
     if gen.stream:

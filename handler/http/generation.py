@@ -3,12 +3,15 @@ answer, or stream it line by line (a client that goes away aborts its request)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import select
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from flask import Response
+from flask import Response, request
 
 from engine import (
     EngineDeadError,
@@ -35,6 +38,8 @@ from handler.http.state import ServerState
 logger = logging.getLogger(__name__)
 
 JSONLINES = "application/jsonlines"
+# nginx's code for "client closed request": only metrics and logs see it, the client is gone.
+CLIENT_GONE = HTTPError(499, "ClientClosedRequest", "the client closed the connection")
 SSE = "text/event-stream"
 # (JSON object, or text an output formatter made, to write; the event it reports)
 Lines = Iterator[tuple[dict | str | bytes, TokenEvent]]
@@ -46,8 +51,26 @@ def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
     error and nothing of the request stays queued."""
     deadline = None if stream else time.monotonic() + state.config.predict_timeout
     requests = [GenerationRequest(tuple(ids), params, deadline) for ids in prompts]
+    with engine_errors():
+        handles = state.engine.submit_all(requests)
+    gone = client_gone_check(request.environ)
+    for handle in handles if gone is not None else ():
+        handle.cancel_when(gone)
+    return handles
+
+
+def admit(state: ServerState, count: int) -> None:
+    """Refuse at once (503) what the engine could not take now, before tokenizing: under
+    overload a refusal costs no tokenizer time, so clients retrying at once cost little."""
+    with engine_errors():
+        state.engine.check_room(count)
+
+
+@contextlib.contextmanager
+def engine_errors() -> Iterator[None]:
+    """The engine boundary's refusals as HTTP errors."""
     try:
-        return state.engine.submit_all(requests)
+        yield
     except RequestError as err:
         raise bad_request(str(err)) from err
     except QueueFullError as err:
@@ -57,6 +80,34 @@ def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
         raise HTTPError(503, "ServiceUnavailable", str(err)) from err
 
 
+def client_gone_check(environ: dict) -> Callable[[], bool] | None:
+    """A check that the client closed its connection (None when the server gives no socket,
+    e.g. Flask's test client). The body is read by now, so a readable socket with nothing to
+    read is the client's FIN; pipelined bytes (a next request) mean it is still there."""
+    sock = environ.get("gunicorn.socket")
+    if sock is None:
+        return None
+
+    def gone() -> bool:
+        # poll, not select (descriptors above 1024), and no recv before it says readable: the
+        # socket may carry a timeout, and a recv that waits for it would hold the request.
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        try:
+            ready = poller.poll(0)
+            if not ready:
+                return False  # nothing to read: the client is waiting for its answer
+            if ready[0][1] & (select.POLLHUP | select.POLLERR):
+                return True
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError, TimeoutError):
+            return False
+        except OSError:
+            return True  # reset or closed
+
+    return gone
+
+
 def collect(state: ServerState, handle: RequestHandle, start: float) -> list[TokenEvent]:
     """Wait for a non-streaming request's events; an abnormal end becomes an HTTP error."""
     events, times = [], []
@@ -64,11 +115,14 @@ def collect(state: ServerState, handle: RequestHandle, start: float) -> list[Tok
         events.append(event)
         if event.token_id is not None:
             times.append(time.monotonic())
-    error = final_error(events[-1])
+    error = CLIENT_GONE if handle.cancelled else final_error(events[-1])
     status = error.code if error else 200
+    if error is not None:
+        state.metrics.on_abort(_abort_reason(handle, events[-1]))
     state.metrics.on_request(status, handle.num_prompt_tokens, times, start, time.monotonic())
     _log(handle, events[-1], start, times)
     if error is not None:
+        error = HTTPError(error.code, error.type, error.message)  # CLIENT_GONE is shared
         error.counted = True
         raise error
     return events
@@ -121,7 +175,9 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
                 yield "data: [DONE]\n\n"
         finally:
             handle.abort()  # no-op when finished; frees KV when the client disconnected
-            status = _stream_status(last)
+            status = _stream_status(handle, last)
+            if status != 200:
+                state.metrics.on_abort(_abort_reason(handle, last))
             state.metrics.on_request(status, handle.num_prompt_tokens, times, start,
                                      time.monotonic())
             if last is not None:
@@ -131,11 +187,18 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
                     headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache"})
 
 
-def _stream_status(last: TokenEvent | None) -> int:
-    if last is None or not last.finished:
-        return 499  # the client closed the connection first
+def _stream_status(handle: RequestHandle, last: TokenEvent | None) -> int:
+    if handle.cancelled or last is None or not last.finished:
+        return CLIENT_GONE.code  # the client closed the connection first
     error = final_error(last)
     return error.code if error else 200
+
+
+def _abort_reason(handle: RequestHandle, last: TokenEvent | None) -> str:
+    """Why a request ended early, for the aborted-requests metric."""
+    if handle.cancelled or last is None or not last.finished:
+        return "client_disconnect"
+    return {"abort": "shutdown", "timeout": "timeout"}.get(last.finish_reason or "", "error")
 
 
 def _log(handle: RequestHandle, last: TokenEvent, start: float, times: list[float]) -> None:

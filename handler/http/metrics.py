@@ -20,6 +20,10 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("batchyard_requests", "Requests by HTTP status", ["status"],
                                 registry=r)
+        self.aborted = Counter(
+            "batchyard_aborted_requests",
+            "Requests ended before they finished, by reason (client_disconnect, shutdown, "
+            "timeout, error)", ["reason"], registry=r)
         self.ttft = Histogram("batchyard_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("batchyard_inter_token_latency_seconds", "Gap between tokens",
@@ -87,6 +91,9 @@ class Metrics:
             for before, after in zip(token_times, token_times[1:], strict=False):
                 self.itl.observe(after - before)
         self.e2e.observe(end - start)
+
+    def on_abort(self, reason: str) -> None:
+        self.aborted.labels(reason).inc()
 
     def render(self) -> bytes:
         if self._gauges is not None:  # one snapshot, so the gauges agree with each other

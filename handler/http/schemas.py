@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from reprlib import Repr
 
 from engine import MAX_TOP_LOGPROBS, RequestError, SamplingParams, TokenEvent
 
 MAX_LIST_INPUTS = 64
+GENERATE_FIELDS = {"inputs", "parameters", "stream"}  # LMI's and TGI's generate body
 Decode = Callable[[list[int]], str]
 FINISH_REASONS = {"length", "eos_token", "stop_sequence"}
 
@@ -30,6 +32,8 @@ def bad_request(message: str) -> HTTPError:
     return HTTPError(400, "BadRequest", message)
 
 
+_REPR = Repr()  # keyword arguments need Python 3.12
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 60, 60, 4, 4
 # name → (accepted JSON types, description used in errors)
 _PARAMETERS: dict[str, tuple[tuple[type, ...], str]] = {
     "max_new_tokens": ((int,), "an integer"), "min_new_tokens": ((int,), "an integer"),
@@ -67,6 +71,11 @@ class GenerateRequest:
 def parse_generate(body: dict, *, wants_stream: bool,
                    details_default: bool = False) -> GenerateRequest:
     """Validate `{"inputs", "parameters", "stream"}`; raises HTTPError 400 naming the field."""
+    unknown = sorted(set(body) - GENERATE_FIELDS)
+    if unknown:  # e.g. LMI's LoRA "adapters": refused rather than silently ignored
+        raise bad_request(f"unknown top-level fields: {', '.join(map(_shown, unknown))}; "
+                          f"supported: {', '.join(sorted(GENERATE_FIELDS))} (or messages "
+                          "for chat)")
     inputs = body.get("inputs")
     is_list = isinstance(inputs, list)
     items = inputs if is_list else [inputs]
@@ -113,7 +122,7 @@ def sampling_params(parameters: dict, top_logprobs: int = 0) -> SamplingParams:
     """LMI/TGI parameter names → SamplingParams; unknown names and wrong types are errors."""
     unknown = sorted(set(parameters) - set(_PARAMETERS))
     if unknown:
-        raise bad_request(f"unknown parameters: {', '.join(unknown)}; supported: "
+        raise bad_request(f"unknown parameters: {', '.join(map(_shown, unknown))}; supported: "
                           f"{', '.join(sorted(_PARAMETERS))}")
     _check_types(parameters)
     p = parameters
@@ -139,7 +148,12 @@ def _check_types(parameters: dict) -> None:
         types, described = _PARAMETERS[name]
         is_bool = isinstance(value, bool)
         if not isinstance(value, types) or (is_bool and bool not in types):
-            raise bad_request(f"parameters.{name} must be {described} (given: {value!r})")
+            raise bad_request(f"parameters.{name} must be {described} (given: {_shown(value)})")
+
+
+def _shown(value: object) -> str:
+    """A client's value in an error message: bounded in length and depth (reprlib)."""
+    return _REPR.repr(value)
 
 
 def _sampling_inferred(p: dict) -> bool:

@@ -4,6 +4,7 @@ model loader run as background threads of that worker."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 
@@ -11,11 +12,14 @@ from gunicorn.app.base import BaseApplication
 
 from handler.http.app import create_app
 from handler.http.state import ServerState
+from handler.http.worker import HEADER_LIMITS, JsonErrorWorker
 
 logger = logging.getLogger(__name__)
 
 WORKER_BOOT_ERROR = 3  # gunicorn's master halts with this code when its worker exits with it
-DRAIN_SECONDS = 20  # SIGTERM drain; SageMaker sends SIGKILL 30 s after SIGTERM
+# After the drain (option.drain_timeout), how long gunicorn may take to write the last answers
+# before its master kills the worker.
+WRITE_OUT_SECONDS = 10
 
 
 class GunicornServer(BaseApplication):
@@ -39,20 +43,22 @@ class GunicornServer(BaseApplication):
         return create_app(self.state)
 
     def _on_worker_exit(self, server, worker) -> None:
-        # gunicorn has drained in-flight connections for graceful_timeout; end what is left.
+        # The worker drained on SIGTERM (a no-op now); on any other exit, end what is left.
         if self.state is not None:
             self.state.shutdown(grace_seconds=0.0)
 
 
 def run_server(make_state: Callable[[], ServerState], host: str, port: int,
-               threads: int = 128) -> None:
+               threads: int = 128, drain_seconds: float = 30.0) -> None:
     """Serve until SIGTERM/SIGINT (exit 0) or a failed model load (exit 3)."""
     options = {
-        "bind": f"{host}:{port}", "workers": 1, "worker_class": "gthread", "threads": threads,
+        "bind": f"{host}:{port}", "workers": 1, "worker_class": JsonErrorWorker,
+        "threads": threads, **HEADER_LIMITS,
         "worker_connections": max(1000, threads + 64),
         # The gthread worker's main loop heartbeats while requests run: long generations are
         # never killed by this timeout.
-        "timeout": 120, "graceful_timeout": DRAIN_SECONDS, "keepalive": 5,
+        "timeout": 120, "keepalive": 5,
+        "graceful_timeout": math.ceil(drain_seconds) + WRITE_OUT_SECONDS,
         "loglevel": "info", "accesslog": None, "proc_name": "batchyard",
     }
     logger.info("listening on http://%s:%d (1 worker, %d threads)", host, port, threads)

@@ -71,7 +71,7 @@ class ServerState:
         """An engine that dies while serving (its core process killed, a tensor-parallel rank
         lost) cannot come back: stop the server so that the platform replaces it."""
         while self.status == "ready":
-            if not self.client.gauges().alive:
+            if not self.client.gauges().alive and self.status == "ready":
                 logger.error("the engine stopped while serving; the server exits so that it is "
                              "restarted (SageMaker replaces the instance)")
                 time.sleep(ENGINE_DEATH_GRACE_SECONDS)
@@ -81,6 +81,8 @@ class ServerState:
             time.sleep(ENGINE_WATCH_SECONDS)
 
     def shutdown(self, grace_seconds: float) -> None:
+        """/ping and new requests answer 503 from now on; requests in flight get grace_seconds
+        to finish, then end with a 503 error (a stream: its last line)."""
         self.status = "stopping"
         if self.client is not None:
             self.client.shutdown(grace_seconds)
