@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,24 @@ def test_shipped_properties_files_parse(name, strategy) -> None:
 ])
 def test_tensor_parallel_degree_and_sm_num_gpus(text, env, size) -> None:
     assert resolve(text, env=env).engine.tensor_parallel_size == size
+
+
+def readme_config_keys() -> list[str]:
+    """Every key of the README's configuration table."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = text[text.index("| key | default | meaning |"):]
+    rows = table[:table.index("\n\n")].splitlines()[2:]
+    return [key for row in rows for key in re.findall(r"`([\w.]+)`", row.split("|")[1])]
+
+
+# option.model_id is checked where the model folder is resolved (tests/test_model_store.py).
+@pytest.mark.parametrize("key", [k for k in readme_config_keys() if k != "option.model_id"])
+def test_every_documented_key_refuses_a_bad_value_in_one_line(key) -> None:
+    """A value no key accepts stops start-up before any model is touched, with one line naming
+    the key, the value, where it came from and what is allowed."""
+    rolling = "" if key == "option.rolling_batch" else "option.rolling_batch=paged\n"
+    with pytest.raises(ConfigError) as err:
+        resolve(f"{rolling}{key}=-7.5x")
+    message = str(err.value)
+    assert f"{key}='-7.5x'" in message and "serving.properties line" in message
+    assert "\n" not in message

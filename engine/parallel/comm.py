@@ -14,6 +14,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT = timedelta(minutes=30)  # loading a large shard from slow storage
 
+
 class Collectives:
     """all_reduce for row-parallel outputs, gather_vocab for logits, agree_min for start-up."""
 
