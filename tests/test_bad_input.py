@@ -24,6 +24,8 @@ def client(tmp_path_factory):
 def error_of(response, code: int) -> str:
     assert response.status_code == code, response.get_data(as_text=True)
     body = response.get_json()
+    if "error" in body:  # OpenAI's shape, on the /v1 routes
+        body = {**body["error"], "code": response.status_code}
     assert body["code"] == code and "Traceback" not in response.get_data(as_text=True)
     return body["message"]
 

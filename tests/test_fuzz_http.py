@@ -108,7 +108,11 @@ def check_answer(status: int, body: bytes, content_type: str) -> None:
     if status == 424:  # the SageMaker paths: ModelError with the container's own answer
         assert error["OriginalStatusCode"] < 500
         error = json.loads(error["OriginalMessage"])
-    assert isinstance(error["code"], int) and error["code"] < 500
+    if isinstance(error.get("error"), dict):  # OpenAI's shape, on the /v1 routes
+        error = error["error"]
+        assert isinstance(error["code"], str) and error["code"]
+    else:
+        assert isinstance(error["code"], int) and error["code"] < 500
     assert isinstance(error["type"], str) and error["type"]
     assert isinstance(error["message"], str) and error["message"].strip()
 

@@ -31,7 +31,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(served, monkeypat
     assert f"inputs has {LIMIT + 1} characters; at most {LIMIT}" in r.get_json()["message"]
     chat = client.post("/v1/chat/completions",
                        json={"messages": [{"role": "user", "content": "x" * (LIMIT + 1)}]})
-    assert chat.status_code == 400 and "messages has" in chat.get_json()["message"]
+    assert chat.status_code == 400 and "messages has" in chat.get_json()["error"]["message"]
 
 
 def test_truncate_keeps_a_long_prompt_servable(served) -> None:
@@ -70,4 +70,5 @@ def test_a_full_engine_refuses_before_tokenizing(served, monkeypatch) -> None:
                                                                 "content": "hello"}]})]:
         r = client.post(route, json=body)
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-        assert r.get_json()["type"] == "QueueFull" and "job_queue_size" in r.get_json()["message"]
+        error = r.get_json().get("error") or {**r.get_json(), "code": r.get_json()["type"]}
+        assert error["code"] == "QueueFull" and "job_queue_size" in error["message"]

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, ROOT / "docs" / "architecture.md", ROOT / "docs" / "deploy.md",
          ROOT / "docs" / "benchmark" / "README.md", ROOT / "docs" / "migrating.md",
-         ROOT / "docs" / "reliability.md"]
+         ROOT / "docs" / "openai.md", ROOT / "docs" / "reliability.md"]
 MAX_README_LINES = 400
 
 # Repository folders whose paths the pages name in code; benchmark/results/ is written by runs.

@@ -1,4 +1,5 @@
-"""Flask app: GET /ping, POST /invocations (+ /v1/chat/completions), GET /metrics."""
+"""Flask app: GET /ping, POST /invocations, OpenAI's /v1/chat/completions, /v1/completions and
+/v1/models, GET /metrics."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from werkzeug.exceptions import HTTPException
 from engine import RequestError
 from handler.http import sagemaker_runtime
 from handler.http.chat import chat_completion, chat_names, parse_chat
+from handler.http.completions import models, openai_error, usage_chunk
 from handler.http.generate_route import serve_generate
 from handler.http.generation import (
     JSONLINES,
@@ -22,6 +24,7 @@ from handler.http.generation import (
     stream_response,
     submit,
 )
+from handler.http.openai_routes import serve_completions
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
 from handler.lmi.bridge import request_content, request_properties, row_response
@@ -54,6 +57,14 @@ def create_app(state: ServerState) -> Flask:
     @app.post("/v1/chat/completions")
     def chat_completions():
         return _serve(state, chat_only=True)
+
+    @app.post("/v1/completions")
+    def completions():
+        return _serve(state, chat_only=False, completions=True)
+
+    @app.get("/v1/models")
+    def list_models():
+        return _json(models(state.model_name, state.started), 200)
 
     # The SageMaker runtime paths: boto3's invoke_endpoint(_with_response_stream) with
     # endpoint_url pointing at this server. Any endpoint name is this server's model.
@@ -103,7 +114,8 @@ def _as_model_error(state: ServerState, call) -> Response:
     return response
 
 
-def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None) -> Response:
+def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None,
+           completions: bool = False) -> Response:
     start = time.monotonic()
     if not state.ready():
         raise HTTPError(503, "ServiceUnavailable", f"not ready: model is {state.status}")
@@ -111,7 +123,11 @@ def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None) ->
         return serve_custom(state)
     body = state.formatters.request(_read_body())  # option.input_formatter
     accept = request.headers.get("Accept", "") if accept is None else accept
-    if chat_only or "messages" in body:
+    if completions:
+        return serve_completions(state, body, start)
+    if chat_only:  # OpenAI's route: the body says whether to stream, and a stream is SSE
+        return _serve_chat(state, body, wants_stream=False, sse=True, start=start)
+    if "messages" in body:
         return _serve_chat(state, body, wants_stream=JSONLINES in accept or SSE in accept,
                            sse=SSE in accept, start=start)
     return serve_generate(state, body, accept, start)
@@ -150,8 +166,11 @@ def _serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool
             err.message = chat_names(err.message, chat.max_field)
         raise
     if chat.stream:
+        trailer = (lambda last: usage_chunk(chat.completion_id, "chat.completion.chunk",
+                                            chat.created, state.model_name, last)
+                   ) if chat.include_usage else None
         return stream_response(chat_lines(state, chat, handle), handle, state, sse=sse,
-                               done_line=sse, start=start)
+                               done_line=sse, start=start, trailer=trailer)
     events = collect(state, handle, start)
     return _json(chat_completion(chat, state.model_name, events, decode=state.engine.decode),
                  200)
@@ -221,6 +240,8 @@ def _counted_error(state: ServerState, err: HTTPError) -> Response:
 
 
 def _error(err: HTTPError) -> Response:
-    response = _json(err.body(), err.code)
+    """Our error shape; on OpenAI's /v1 routes, OpenAI's."""
+    payload = openai_error(err) if request.path.startswith("/v1/") else err.body()
+    response = _json(payload, err.code)
     response.headers.update(err.headers)
     return response

@@ -13,8 +13,9 @@ from handler.http.schemas import HTTPError, bad_request, sampling_params
 
 _CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature",
                 "top_p", "seed", "stop", "stream", "logprobs", "top_logprobs", "n",
-                "frequency_penalty", "presence_penalty", "ignore_eos", "user"}
-_FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+                "frequency_penalty", "presence_penalty", "ignore_eos", "user",
+                "stream_options"}
+FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ChatRequest:
     completion_id: str
     created: int
     max_field: str = "max_tokens"  # the body's name for max_new_tokens, used in errors
+    include_usage: bool = False  # stream_options.include_usage
 
 
 def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
@@ -65,7 +67,18 @@ def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
     except HTTPError as err:
         raise bad_request(chat_names(err.message, max_field)) from err
     return ChatRequest(messages, params, stream, logprobs, f"chatcmpl-{uuid.uuid4().hex}",
-                       int(time.time()), max_field)
+                       int(time.time()), max_field, include_usage({**body, "stream": stream}))
+
+
+def include_usage(body: dict) -> bool:
+    """stream_options.include_usage: a last chunk with the usage and no choices."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
+            options.get("include_usage", False), bool):
+        raise bad_request('stream_options must be {"include_usage": true|false}')
+    if options and not body.get("stream"):
+        raise bad_request("stream_options needs stream=true")
+    return options.get("include_usage", False)
 
 
 def chat_names(message: str, max_field: str = "max_tokens") -> str:
@@ -86,7 +99,7 @@ def _logprobs(events: list[TokenEvent], decode: Callable[[list[int]], str]) -> d
                         for e in events if e.token_id is not None]}
 
 
-def _usage(last: TokenEvent) -> dict:
+def usage(last: TokenEvent) -> dict:
     return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
             "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
 
@@ -100,8 +113,8 @@ def chat_completion(req: ChatRequest, model: str, events: list[TokenEvent], *,
         "choices": [{"index": 0,
                      "message": {"role": "assistant", "content": "".join(e.text for e in events)},
                      "logprobs": _logprobs(events, decode) if req.logprobs else None,
-                     "finish_reason": _FINISH.get(last.finish_reason or "", "stop")}],
-        "usage": _usage(last),
+                     "finish_reason": FINISH_REASONS.get(last.finish_reason or "", "stop")}],
+        "usage": usage(last),
     }
 
 
@@ -117,6 +130,6 @@ def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first:
     if event is not None and req.logprobs and event.token_id is not None:
         chunk["choices"][0]["logprobs"] = _logprobs([event], decode)
     if event is not None and event.finished:
-        chunk["choices"][0]["finish_reason"] = _FINISH.get(event.finish_reason or "", "stop")
-        chunk["usage"] = _usage(event)
+        chunk["choices"][0]["finish_reason"] = FINISH_REASONS.get(event.finish_reason or "", "stop")
+        chunk["usage"] = usage(event)
     return chunk

@@ -153,8 +153,11 @@ def chat_lines(state: ServerState, chat: ChatRequest, handle: RequestHandle) -> 
 
 
 def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, sse: bool,
-                    done_line: bool, start: float) -> Response:
-    """Write lines as they come; a client that goes away aborts its request (frees its KV)."""
+                    done_line: bool, start: float,
+                    trailer: Callable[[TokenEvent], dict] | None = None) -> Response:
+    """Write lines as they come; a client that goes away aborts its request (frees its KV).
+    `trailer` makes one more line from the last event of a request that ended well (OpenAI's
+    usage chunk)."""
 
     def generate() -> Iterator[str | bytes]:
         times, last = [], None
@@ -171,6 +174,9 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
                     yield line
                 else:
                     yield f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
+            if trailer is not None and last is not None and final_error(last) is None:
+                line = trailer(last)
+                yield f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
             if done_line:  # OpenAI's end-of-stream marker
                 yield "data: [DONE]\n\n"
         finally:

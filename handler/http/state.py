@@ -34,6 +34,7 @@ class ServerState:
         self.metrics = Metrics()
         self.model_name = Path(config.engine.model).name
         self.status = "loading"
+        self.started = int(time.time())  # OpenAI's `created` of the served model
         self.client: EngineClient | None = None
         self.runner: HandlerRunner | None = None  # a custom djl_python handler, if any
         self.formatters = Formatters(output_name=config.lmi.output_formatter)

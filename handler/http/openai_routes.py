@@ -1,0 +1,50 @@
+"""Serving OpenAI's completions: parse, tokenize, submit, answer whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+from flask import Response
+
+from engine import RequestError, TokenEvent
+from handler.http.completions import (
+    completion,
+    completion_chunk,
+    completion_names,
+    parse_completion,
+    usage_chunk,
+)
+from handler.http.generation import admit, collect, stream_response, submit
+from handler.http.schemas import HTTPError, bad_request
+from handler.http.state import ServerState
+
+
+def serve_completions(state: ServerState, body: dict, start: float) -> Response:
+    req = parse_completion(body)
+    admit(state, len(req.prompts))
+    try:
+        prompts = [state.engine.encode(p) for p in req.prompts]
+    except RequestError as err:
+        raise bad_request(completion_names(str(err))) from err
+    try:
+        handles = submit(state, prompts, req.params, stream=req.stream)
+    except HTTPError as err:
+        if err.code == 400:  # e.g. the length limit, in the body's own field names
+            err.message = completion_names(err.message)
+        raise
+    model, decode = state.model_name, state.engine.decode
+    if req.stream:
+        [handle] = handles
+
+        def lines() -> Iterator[tuple[dict, TokenEvent]]:
+            for i, event in enumerate(handle.events()):
+                yield completion_chunk(req, model, event, first=i == 0, decode=decode), event
+
+        trailer = (lambda last: usage_chunk(req.completion_id, "text_completion", req.created,
+                                            model, last)) if req.include_usage else None
+        return stream_response(lines(), handle, state, sse=True, done_line=True, start=start,
+                               trailer=trailer)
+    answers = [collect(state, handle, start) for handle in handles]
+    return Response(json.dumps(completion(req, model, answers, decode=decode)), status=200,
+                    mimetype="application/json")

@@ -1,0 +1,92 @@
+"""The official `openai` client against a real server (gunicorn, tiny model, paged and
+continuous): models, completions and chat, whole and streamed (SSE whatever the Accept header,
+usage chunk on request), logprobs, and errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+
+from tests.engine_harness import MAX_MODEL_LEN
+from tests.models_fixtures import build_tiny_model
+from tests.server_harness import running_server
+
+CHAT = [{"role": "user", "content": "The capital of France is"}]
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module", params=["paged", "scheduler"])
+def server(request, tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("openai-model"))
+    properties = (f"option.rolling_batch={request.param}\noption.max_rolling_batch_size=4\n"
+                  f"option.max_model_len={MAX_MODEL_LEN}\n")
+    with running_server(tmp_path_factory.mktemp("openai-server"), path, properties) as srv:
+        yield srv, path.name
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[0].url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_model(server) -> None:
+    [model] = client(server).models.list().data
+    assert model.id == server[1] and model.owned_by == "batchyard"
+
+
+def test_completions_whole_and_streamed_agree_with_usage(server) -> None:
+    api = client(server)
+    whole = api.completions.create(model=server[1], prompt="Once upon a time", **GREEDY)
+    [choice] = whole.choices
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 12
+    chunks = list(api.completions.create(model=server[1], prompt="Once upon a time", stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    echoed = api.completions.create(model=server[1], prompt="Once upon a time", echo=True,
+                                    logprobs=2, **GREEDY)
+    assert echoed.choices[0].text == "Once upon a time" + choice.text
+    logprobs = echoed.choices[0].logprobs
+    # a dict by text: two ids that decode alike (partial UTF-8 bytes) share one key
+    assert len(logprobs.tokens) == 12 and all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+
+
+def test_a_list_of_prompts_answers_one_choice_each_in_order(server) -> None:
+    prompts = ["Once upon a time", "The capital of Japan is"]
+    batch = client(server).completions.create(model=server[1], prompt=prompts, **GREEDY)
+    alone = [client(server).completions.create(model=server[1], prompt=p, **GREEDY)
+             for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+
+
+def test_chat_streams_sse_chunks_with_the_same_text_and_usage(server) -> None:
+    api = client(server)
+    whole = api.chat.completions.create(model=server[1], messages=CHAT, **GREEDY)
+    chunks = list(api.chat.completions.create(model=server[1], messages=CHAT, stream=True,
+                                              stream_options={"include_usage": True},
+                                              **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_a_v1_stream_is_sse_whatever_the_accept_header(server) -> None:
+    """The openai SDK sends Accept: application/json even when it streams."""
+    r = requests.post(f"{server[0].url}/v1/chat/completions", timeout=30,
+                      headers={"Accept": "application/json"},
+                      json={"messages": CHAT, "max_tokens": 3, "stream": True})
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    assert r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_errors_come_in_openais_shape_naming_the_field(server) -> None:
+    api = client(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=server[1], prompt="hi", max_tokens=10_000)
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert body["type"] == "invalid_request_error" and body["code"] == "BadRequest"
+    assert "max_tokens" in body["message"]
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        api.chat.completions.create(model=server[1], messages=CHAT, temperature=-1)
