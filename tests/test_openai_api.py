@@ -90,3 +90,24 @@ def test_errors_come_in_openais_shape_naming_the_field(server) -> None:
     assert "max_tokens" in body["message"]
     with pytest.raises(openai.BadRequestError, match="temperature"):
         api.chat.completions.create(model=server[1], messages=CHAT, temperature=-1)
+
+
+def test_n_choices_seeded_apart_and_counted_once_per_prompt(server) -> None:
+    """n sampled choices of one prompt: choice i draws with seed + i, so they differ from each
+    other and repeat exactly; the prompt's tokens count once in usage."""
+    api = client(server)
+    asked = {"model": server[1], "max_tokens": 8, "temperature": 0.8, "seed": 11, "n": 3,
+             "extra_body": {"ignore_eos": True}}
+    first = api.chat.completions.create(messages=CHAT, **asked)
+    again = api.chat.completions.create(messages=CHAT, **asked)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [c.message.content for c in again.choices]
+    single = api.chat.completions.create(messages=CHAT, **{**asked, "n": 1})
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens
+    assert first.usage.completion_tokens == 3 * 8
+    batch = api.completions.create(prompt=["Once upon a time", "The capital of"], **asked)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert batch.usage.completion_tokens == 6 * 8
+    with pytest.raises(openai.BadRequestError, match="n > 1 cannot be streamed"):
+        api.completions.create(prompt="hi", stream=True, **asked)

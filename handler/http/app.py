@@ -12,7 +12,7 @@ from werkzeug.exceptions import HTTPException
 
 from engine import RequestError
 from handler.http import sagemaker_runtime
-from handler.http.chat import chat_completion, chat_names, parse_chat
+from handler.http.chat import chat_completion, chat_names, each_choice, parse_chat
 from handler.http.completions import models, openai_error, usage_chunk
 from handler.http.generate_route import serve_generate
 from handler.http.generation import (
@@ -154,25 +154,27 @@ def _serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool
     if "messages" not in body:
         raise bad_request("field messages is required")
     chat = parse_chat(body, wants_stream=wants_stream)
-    admit(state, 1)
+    admit(state, chat.n)
     try:
         prompt = state.engine.encode_chat(chat.messages)
     except RequestError as err:
         raise bad_request(str(err)) from err
     try:
-        [handle] = submit(state, [prompt], chat.params, stream=chat.stream)
+        handles = submit(state, [prompt] * chat.n, each_choice(chat.params, chat.n),
+                         stream=chat.stream)
     except HTTPError as err:
         if err.code == 400:  # e.g. the length limit, in the chat body's field names
             err.message = chat_names(err.message, chat.max_field)
         raise
     if chat.stream:
+        [handle] = handles
         trailer = (lambda last: usage_chunk(chat.completion_id, "chat.completion.chunk",
                                             chat.created, state.model_name, last)
                    ) if chat.include_usage else None
         return stream_response(chat_lines(state, chat, handle), handle, state, sse=sse,
                                done_line=sse, start=start, trailer=trailer)
-    events = collect(state, handle, start)
-    return _json(chat_completion(chat, state.model_name, events, decode=state.engine.decode),
+    answers = [collect(state, handle, start) for handle in handles]
+    return _json(chat_completion(chat, state.model_name, answers, decode=state.engine.decode),
                  200)
 
 

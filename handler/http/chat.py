@@ -6,7 +6,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine import TokenEvent
 from handler.http.schemas import HTTPError, bad_request, sampling_params
@@ -15,6 +15,7 @@ _CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "tem
                 "top_p", "seed", "stop", "stream", "logprobs", "top_logprobs", "n",
                 "frequency_penalty", "presence_penalty", "ignore_eos", "user",
                 "stream_options"}
+MAX_CHOICES = 16  # n per request
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
 
@@ -30,6 +31,7 @@ class ChatRequest:
     created: int
     max_field: str = "max_tokens"  # the body's name for max_new_tokens, used in errors
     include_usage: bool = False  # stream_options.include_usage
+    n: int = 1  # choices
 
 
 def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
@@ -42,8 +44,7 @@ def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in messages):
         raise bad_request("messages must be a non-empty list of {role: str, content: str}")
-    if body.get("n", 1) != 1:
-        raise bad_request("n must be 1 (one choice per request)")
+    n = choices_asked(body, stream=body.get("stream", wants_stream))
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name, 0) not in (0, None):
             raise bad_request(f"{name} is not supported (must be 0 or absent)")
@@ -67,7 +68,28 @@ def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
     except HTTPError as err:
         raise bad_request(chat_names(err.message, max_field)) from err
     return ChatRequest(messages, params, stream, logprobs, f"chatcmpl-{uuid.uuid4().hex}",
-                       int(time.time()), max_field, include_usage({**body, "stream": stream}))
+                       int(time.time()), max_field, include_usage({**body, "stream": stream}), n)
+
+
+def choices_asked(body: dict, *, stream: object) -> int:
+    """OpenAI's `n`: 1 to MAX_CHOICES answers to one prompt, each its own sequence (a seeded
+    request's choice i uses seed + i); one when streaming."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be an integer from 1 to {MAX_CHOICES}")
+    if n > 1 and stream is True:
+        raise bad_request("n > 1 cannot be streamed yet; send stream=false or n=1")
+    return n
+
+
+def each_choice(params, n: int) -> list:
+    """The SamplingParams of each of n choices: a seeded request's choice i draws with
+    seed + i, so that the choices differ and each is reproducible."""
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + i) for i in range(n)]
 
 
 def include_usage(body: dict) -> bool:
@@ -104,18 +126,19 @@ def usage(last: TokenEvent) -> dict:
             "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
 
 
-def chat_completion(req: ChatRequest, model: str, events: list[TokenEvent], *,
+def chat_completion(req: ChatRequest, model: str, answers: list[list[TokenEvent]], *,
                     decode: Callable[[list[int]], str]) -> dict:
-    last = events[-1]
-    return {
-        "id": req.completion_id, "object": "chat.completion", "created": req.created,
-        "model": model,
-        "choices": [{"index": 0,
-                     "message": {"role": "assistant", "content": "".join(e.text for e in events)},
-                     "logprobs": _logprobs(events, decode) if req.logprobs else None,
-                     "finish_reason": FINISH_REASONS.get(last.finish_reason or "", "stop")}],
-        "usage": usage(last),
-    }
+    """One choice per answer (n of them, to one prompt: its tokens are counted once)."""
+    choices = [{"index": i,
+                "message": {"role": "assistant", "content": "".join(e.text for e in events)},
+                "logprobs": _logprobs(events, decode) if req.logprobs else None,
+                "finish_reason": FINISH_REASONS.get(events[-1].finish_reason or "", "stop")}
+               for i, events in enumerate(answers)]
+    total = usage(answers[0][-1])
+    total["completion_tokens"] = sum(events[-1].num_output_tokens for events in answers)
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return {"id": req.completion_id, "object": "chat.completion", "created": req.created,
+            "model": model, "choices": choices, "usage": total}
 
 
 def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first: bool,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import TokenEvent
-from handler.http.chat import FINISH_REASONS, include_usage, usage
+from handler.http.chat import FINISH_REASONS, choices_asked, include_usage, usage
 from handler.http.schemas import HTTPError, bad_request, sampling_params
 
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
@@ -34,6 +34,7 @@ class CompletionRequest:
     echo: bool
     completion_id: str
     created: int
+    n: int = 1  # choices per prompt
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -46,11 +47,11 @@ def parse_completion(body: dict) -> CompletionRequest:
     if not isinstance(prompts, list) or not prompts or not all(
             isinstance(p, str) and p for p in prompts):
         raise bad_request("prompt must be a non-empty string or a list of them")
-    for name, neutral in (("n", 1), ("best_of", 1), ("frequency_penalty", 0),
-                          ("presence_penalty", 0)):
+    for name, neutral in (("best_of", 1), ("frequency_penalty", 0), ("presence_penalty", 0)):
         if body.get(name) not in (neutral, None):
             raise bad_request(f"{name} must be {neutral} or absent (not supported)")
     stream, echo = body.get("stream", False), body.get("echo", False)
+    n = choices_asked(body, stream=stream)
     if not isinstance(stream, bool) or not isinstance(echo, bool):
         raise bad_request("stream and echo must be booleans")
     if stream and len(prompts) > 1:
@@ -67,7 +68,7 @@ def parse_completion(body: dict) -> CompletionRequest:
     except HTTPError as err:
         raise bad_request(completion_names(err.message)) from err
     return CompletionRequest(prompts, params, stream, include_usage(body), logprobs, echo,
-                             f"cmpl-{uuid.uuid4().hex}", int(time.time()))
+                             f"cmpl-{uuid.uuid4().hex}", int(time.time()), n)
 
 
 def completion_names(message: str) -> str:
@@ -90,19 +91,22 @@ def _logprobs(events: list[TokenEvent], decode: Callable[[list[int]], str]) -> d
 
 def completion(req: CompletionRequest, model: str, answers: list[list[TokenEvent]], *,
                decode: Callable[[list[int]], str]) -> dict:
-    """The whole answer: one choice per prompt, in order."""
+    """The whole answer: n choices per prompt, prompt by prompt (answers in that order)."""
     choices = []
-    for index, (prompt, events) in enumerate(zip(req.prompts, answers, strict=True)):
+    prompts = [p for p in req.prompts for _ in range(req.n)]
+    for index, (prompt, events) in enumerate(zip(prompts, answers, strict=True)):
         text = "".join(e.text for e in events)
         choices.append({"index": index, "text": prompt + text if req.echo else text,
                         "logprobs": _logprobs(events, decode) if req.logprobs is not None
                         else None,
                         "finish_reason": FINISH_REASONS.get(events[-1].finish_reason or "",
                                                             "stop")})
-    totals = [usage(events[-1]) for events in answers]
+    prompt_tokens = sum(events[-1].num_prompt_tokens for events in answers[::req.n])
+    completion_tokens = sum(events[-1].num_output_tokens for events in answers)
     return {"id": req.completion_id, "object": "text_completion", "created": req.created,
             "model": model, "choices": choices,
-            "usage": {k: sum(t[k] for t in totals) for k in totals[0]}}
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
 def completion_chunk(req: CompletionRequest, model: str, event: TokenEvent, *, first: bool,

@@ -45,12 +45,14 @@ SSE = "text/event-stream"
 Lines = Iterator[tuple[dict | str | bytes, TokenEvent]]
 
 
-def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, *,
-           stream: bool) -> list[RequestHandle]:
-    """Queue every prompt, or none: an invalid one, a full queue or a dead engine is an HTTP
-    error and nothing of the request stays queued."""
+def submit(state: ServerState, prompts: list[list[int]],
+           params: SamplingParams | list[SamplingParams], *, stream: bool) -> list[RequestHandle]:
+    """Queue every prompt (with its own params when given a list), or none: an invalid one, a
+    full queue or a dead engine is an HTTP error and nothing of the request stays queued."""
     deadline = None if stream else time.monotonic() + state.config.predict_timeout
-    requests = [GenerationRequest(tuple(ids), params, deadline) for ids in prompts]
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    requests = [GenerationRequest(tuple(ids), p, deadline)
+                for ids, p in zip(prompts, each, strict=True)]
     with engine_errors():
         handles = state.engine.submit_all(requests)
     gone = client_gone_check(request.environ)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from flask import Response
 
 from engine import RequestError, TokenEvent
+from handler.http.chat import each_choice
 from handler.http.completions import (
     completion,
     completion_chunk,
@@ -22,13 +23,14 @@ from handler.http.state import ServerState
 
 def serve_completions(state: ServerState, body: dict, start: float) -> Response:
     req = parse_completion(body)
-    admit(state, len(req.prompts))
+    admit(state, len(req.prompts) * req.n)
     try:
         prompts = [state.engine.encode(p) for p in req.prompts]
     except RequestError as err:
         raise bad_request(completion_names(str(err))) from err
     try:
-        handles = submit(state, prompts, req.params, stream=req.stream)
+        handles = submit(state, [ids for ids in prompts for _ in range(req.n)],
+                         each_choice(req.params, req.n) * len(prompts), stream=req.stream)
     except HTTPError as err:
         if err.code == 400:  # e.g. the length limit, in the body's own field names
             err.message = completion_names(err.message)
