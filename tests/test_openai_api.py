@@ -88,6 +88,8 @@ def test_errors_come_in_openais_shape_naming_the_field(server) -> None:
     body = err.value.body
     assert body["type"] == "invalid_request_error" and body["code"] == "BadRequest"
     assert "max_tokens" in body["message"]
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
+        api.completions.create(model=server[1], prompt="hi", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         api.chat.completions.create(model=server[1], messages=CHAT, temperature=-1)
 

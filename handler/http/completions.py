@@ -62,7 +62,8 @@ def parse_completion(body: dict) -> CompletionRequest:
         raise bad_request(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}")
     parameters = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos")
                   if body.get(k) is not None}
-    parameters["max_new_tokens"] = body.get("max_tokens") or DEFAULT_MAX_TOKENS
+    max_tokens = body.get("max_tokens")  # 0 is an error, not the default
+    parameters["max_new_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     try:
         params = sampling_params(parameters, logprobs or 0)
     except HTTPError as err:
