@@ -111,5 +111,7 @@ def test_n_choices_seeded_apart_and_counted_once_per_prompt(server) -> None:
     batch = api.completions.create(prompt=["Once upon a time", "The capital of"], **asked)
     assert [c.index for c in batch.choices] == list(range(6))
     assert batch.usage.completion_tokens == 6 * 8
+    top_seed = api.chat.completions.create(messages=CHAT, **{**asked, "seed": 2**63 - 1})
+    assert len(top_seed.choices) == 3  # seed + i wraps around within the seeds' range
     with pytest.raises(openai.BadRequestError, match="n > 1 cannot be streamed"):
         api.completions.create(prompt="hi", stream=True, **asked)

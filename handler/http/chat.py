@@ -89,7 +89,7 @@ def each_choice(params, n: int) -> list:
     seed + i, so that the choices differ and each is reproducible."""
     if n == 1 or params.seed is None:
         return [params] * n
-    return [replace(params, seed=params.seed + i) for i in range(n)]
+    return [replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]  # seeds' range
 
 
 def include_usage(body: dict) -> bool:
