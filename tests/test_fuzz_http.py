@@ -26,8 +26,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 derandomize=os.environ.get("BATCHYARD_FUZZ_RANDOM") != "1",
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
-ROUTES = ["/invocations", "/v1/chat/completions", "/endpoints/fuzz/invocations",
-          "/endpoints/fuzz/invocations-response-stream"]
+ROUTES = ["/invocations", "/v1/chat/completions", "/v1/completions",
+          "/endpoints/fuzz/invocations", "/endpoints/fuzz/invocations-response-stream"]
 # What must never reach a client: a Python traceback or a path into the code.
 LEAKS = re.compile(r"Traceback \(most recent|File \"/|site-packages/|\.py\", line \d|"
                    + re.escape(str(Path(__file__).resolve().parent.parent)))
@@ -84,8 +84,14 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "ass
 messages = st.lists(st.one_of(message, message, message, json_values), min_size=1, max_size=3)
 chat_bodies = st.tuples(st.one_of(messages, messages, json_values), some_of(CHAT_FIELDS)).map(
     lambda t: {"messages": t[0], **t[1]})
+COMPLETION_FIELDS = {**CHAT_FIELDS, "logprobs": ints, "echo": flags, "best_of": ints,
+                     "stream_options": st.one_of(st.fixed_dictionaries(
+                         {"include_usage": flags}), json_values)}
+completion_bodies = st.tuples(st.one_of(words, st.lists(words, min_size=1, max_size=3),
+                                        json_values), some_of(COMPLETION_FIELDS)).map(
+    lambda t: {"prompt": t[0], **t[1]})
 bodies = st.one_of(generate_bodies, generate_bodies, unknown_field_bodies, chat_bodies,
-                   chat_bodies, json_values)
+                   chat_bodies, completion_bodies, completion_bodies, json_values)
 content_types = st.sampled_from(["application/json", "application/json; charset=utf-8",
                                  "text/plain", "application/x-www-form-urlencoded",
                                  "application/octet-stream", "application/vnd+json", ""])
