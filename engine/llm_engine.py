@@ -50,6 +50,8 @@ class LLMEngine:
         self._last_batch: ScheduledBatch | None = None
         self.phases: StepPhases | NoPhases = NoPhases()
         self.output_processor = OutputProcessor(tokenizer)
+        self._guided = None  # GuidedDecoding, built on the first guided request
+        self._pending: list[StepOutput] = []  # ended before any step (a grammar that failed)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -118,6 +120,23 @@ class LLMEngine:
         self._requests[seq.seq_id] = _Request(request_id, seq)
         self._ids[request_id] = seq.seq_id
         self.scheduler.add(seq)
+        if params.guided is not None:
+            self._constrain(request_id, seq)
+
+    def _constrain(self, request_id: str, seq: Sequence) -> None:
+        """Give a guided sequence its grammar state; one that cannot compile against this
+        tokenizer ends the request (checked without the tokenizer at the boundary)."""
+        if self._guided is None:
+            from engine.guided import GuidedDecoding
+
+            self._guided = GuidedDecoding(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        seq.constraint = self._guided.constraint(seq.params.guided)
+        if seq.constraint.error is not None:
+            logger.warning("request %s: its grammar failed: %s", request_id,
+                           seq.constraint.error[:300])
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            self._pending.append(self._output(self._requests[seq.seq_id], None,
+                                              error="the grammar failed to compile"))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None) -> StepOutput | None:
@@ -150,7 +169,7 @@ class LLMEngine:
         return list(self._ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     @property
     def max_concurrency(self) -> int:
@@ -173,15 +192,16 @@ class LLMEngine:
         or finished, with token ids only (no text, no stop strings)."""
         self._last_batch = None
         self.phases.start()
+        pending, self._pending = self._pending, []
         batch = self._last_batch = self.scheduler.schedule()
         self.phases.mark("schedule")
         if batch is None:
-            return []
+            return pending
         samples = self.runner.run(batch)  # marks prepare, forward and sample
         self.scheduler.postprocess(batch, samples)
         outputs = self._outputs(batch, samples)
         self.phases.mark("postprocess")
-        return outputs
+        return pending + outputs
 
     def measure_phases(self, phases: StepPhases | NoPhases) -> None:
         """Time each phase of later steps with `phases` (NoPhases turns it off)."""

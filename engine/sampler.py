@@ -42,6 +42,9 @@ class SamplingPlan:
     any_top_p: bool
     any_penalty: bool
     any_eos_mask: bool
+    # (constraint, row) of the rows a grammar guides: their masks are filled while the forward
+    # runs, then uploaded with one copy
+    guided: tuple[tuple[object, int], ...] = ()
 
 
 class Sampler:
@@ -49,20 +52,23 @@ class Sampler:
 
     def __init__(self, greedy: GreedyKernel | None = None) -> None:
         self.greedy = greedy
+        self.masks = GrammarMasks()
 
     def stage(self, seqs: list[Sequence], buffer: StepBuffer) -> SamplingPlan:
         """Write the rows' parameters into `buffer` (sections s_*); nothing for plain greedy."""
         params = [seq.params for seq in seqs]
         eos_masked = [_eos_masked(seq) for seq in seqs]
+        guided = tuple((seq.constraint, i) for i, seq in enumerate(seqs)
+                       if seq.constraint is not None)
         plan = SamplingPlan(
             top_logprobs=tuple(p.top_logprobs for p in params),
             plain_greedy=all(p.greedy and p.repetition_penalty == 1.0 for p in params)
-            and not any(eos_masked),
+            and not any(eos_masked) and not guided,
             any_sampled=any(not p.greedy for p in params),
             any_top_k=any(not p.greedy and p.top_k > 0 for p in params),
             any_top_p=any(not p.greedy and p.top_p < 1.0 for p in params),
             any_penalty=any(p.repetition_penalty != 1.0 for p in params),
-            any_eos_mask=any(eos_masked))
+            any_eos_mask=any(eos_masked), guided=guided)
         if plan.plain_greedy:
             return plan
         buffer.put("s_ints", [[int(p.greedy) for p in params], eos_masked,
@@ -87,6 +93,8 @@ class Sampler:
             host = self.greedy(logits).numpy()
             if not np.isnan(host[:, 1]).any():
                 return unpack(host, plan)
+        if plan.guided:  # the host's grammar work overlaps the device's forward
+            views = {**views, "s_grammar": self.masks.fill(plan, logits.shape[0], logits.device)}
         return unpack(sample(logits, plan, views).cpu().numpy(), plan)
 
 
@@ -138,6 +146,9 @@ def _penalised(logits: torch.Tensor, plan: SamplingPlan, views: dict[str, torch.
         eos = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)  # [vocab]
         eos[views["s_eos_ids"]] = True
         scores = scores.masked_fill(eos_masked.bool()[:, None] & eos, float("-inf"))
+    if plan.guided:
+        scores = scores.masked_fill(~allowed_tokens(views["s_grammar"], logits.shape[1]),
+                                    float("-inf"))
     return scores
 
 
@@ -180,11 +191,48 @@ def _inverse_cdf(scores: torch.Tensor, uniform: torch.Tensor
     return at.squeeze(1), probs.gather(1, at).squeeze(1) > 0
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bitmask [S, W] int32 (bit j of word w: token 32w + j is allowed) → [S, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)  # [S, 32W]
+    if bits.shape[1] < vocab:  # ids the tokenizer lacks: never allowed
+        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
+    return bits[:, :vocab]
+
+
+class GrammarMasks:
+    """The guided rows' allowed-token bitmasks, filled by llguidance on the host (its own
+    threads, into a persistent buffer, pinned on CUDA) and copied to the device at once.
+    Unguided rows allow everything."""
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None  # [rows, W] int32
+
+    def fill(self, plan: SamplingPlan, rows: int, device: torch.device) -> torch.Tensor:
+        constraint = plan.guided[0][0]
+        words = (constraint.matcher_vocab + 31) // 32
+        host = self._buffer(rows, words, device)[:rows]
+        host.fill_(-1)
+        executor = constraint.executor
+        executor.unsafe_compute_mask_ptr([(c.matcher, row) for c, row in plan.guided],
+                                         host.data_ptr(), words * 4, rows)
+        return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+    def _buffer(self, rows: int, words: int, device: torch.device) -> torch.Tensor:
+        host = self._host
+        if host is None or host.shape[0] < rows or host.shape[1] != words:
+            host = torch.empty(max(rows, 8), words, dtype=torch.int32,
+                               pin_memory=device.type == "cuda")
+            self._host = host
+        return host
+
+
 def _eos_masked(seq: Sequence) -> bool:
-    """EOS is still masked: fewer than min_new_tokens generated (and EOS not ignored)."""
+    """EOS is still masked: fewer than min_new_tokens generated (and EOS not ignored). Never
+    for a guided row: its grammar decides where the answer may end."""
     p = seq.params
     return bool(not p.ignore_eos and seq.num_output_tokens < p.min_new_tokens
-                and seq.eos_token_ids)
+                and seq.eos_token_ids and seq.constraint is None)
 
 
 def _uniform(seed: int, counter: int) -> float:

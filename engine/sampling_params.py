@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.guided import GuidedSpec
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
@@ -36,6 +40,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int = 0  # most likely alternatives reported with each token
+    guided: GuidedSpec | None = None  # a grammar the output must match (engine/guided.py)
 
     def __post_init__(self) -> None:
         _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)

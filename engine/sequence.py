@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum, StrEnum
+from typing import Protocol
 
 from engine.sampling_params import SamplingParams
 
@@ -20,6 +21,18 @@ class FinishReason(StrEnum):
     ABORT = "abort"
     TIMEOUT = "timeout"
     ERROR = "error"
+
+
+class Constraint(Protocol):
+    """A grammar state that follows the sequence's output (engine/guided.py)."""
+
+    def accept(self, token_id: int) -> None: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None: ...
 
 
 class Sequence:
@@ -53,6 +66,9 @@ class Sequence:
         self.sampling_seed = sampling_seed
         self.arrival_time = arrival_time
         self.num_preemptions = 0
+        # Guided decoding: the sampler masks what the grammar forbids; every output token
+        # advances it. It lives as long as the sequence: preemption keeps the output tokens.
+        self.constraint: Constraint | None = None
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
@@ -86,6 +102,8 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         assert self.num_computed_tokens == self.num_tokens, "sampled before catching up"
         self.token_ids.append(token_id)
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
 
     def token_finish_reason(self) -> FinishReason | None:
         """Why the last appended token ends the sequence (EOS or length), if it does."""
@@ -95,6 +113,11 @@ class Sequence:
                 and self.token_ids[-1] in self.eos_token_ids
                 and self.num_output_tokens > self.params.min_new_tokens):
             return FinishReason.EOS
+        if self.constraint is not None:
+            if self.constraint.error is not None:
+                return FinishReason.ERROR
+            if self.constraint.finished:  # complete: only EOS could follow; spare that step
+                return FinishReason.EOS
         return None
 
     def finish(self, reason: FinishReason) -> None:
