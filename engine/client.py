@@ -76,16 +76,23 @@ class EngineClient:
         with self._tokenizers.borrow() as tokenizer:
             return tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The model's chat template applied, ready to generate the assistant's turn."""
+    @property
+    def template_takes_tools(self) -> bool:
+        """The chat template renders `tools` itself (else the caller describes them)."""
+        with self._tokenizers.borrow() as tokenizer:
+            return "tools" in (tokenizer.chat_template or "")
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The model's chat template applied (with `tools` when given), ready to generate the
+        assistant's turn."""
         self._check_chars(sum(len(str(m.get("content", ""))) for m in messages), "messages")
         with self._tokenizers.borrow() as tokenizer:
             if not tokenizer.chat_template:
                 raise RequestError("this model has no chat template; send {\"inputs\": ...}",
                                    "messages")
             try:
-                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=False)
+                text = tokenizer.apply_chat_template(messages, tools=tools,
+                                                     add_generation_prompt=True, tokenize=False)
             except TemplateError as err:  # e.g. the template wants alternating roles
                 raise RequestError(f"messages do not fit the model's chat template: {err}",
                                    "messages") from err

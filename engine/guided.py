@@ -48,7 +48,7 @@ class GuidedSpec:
 
     @classmethod
     def json_schema(cls, schema: dict | bool, field: str = "guided_json") -> GuidedSpec:
-        return cls("json", json.dumps(schema, ensure_ascii=False, sort_keys=True), field)
+        return cls("json", json.dumps(schema, ensure_ascii=False), field)
 
 
 def grammar_text(spec: GuidedSpec) -> str:

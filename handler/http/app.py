@@ -10,20 +10,11 @@ import time
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from engine import RequestError
 from handler.http import sagemaker_runtime
-from handler.http.chat import chat_completion, chat_names, each_choice, parse_chat
-from handler.http.completions import models, openai_error, usage_chunk
+from handler.http.chat_route import serve_chat
+from handler.http.completions import models, openai_error
 from handler.http.generate_route import serve_generate
-from handler.http.generation import (
-    JSONLINES,
-    SSE,
-    admit,
-    chat_lines,
-    collect,
-    stream_response,
-    submit,
-)
+from handler.http.generation import JSONLINES, SSE
 from handler.http.openai_routes import serve_completions
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
@@ -126,10 +117,10 @@ def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None,
     if completions:
         return serve_completions(state, body, start)
     if chat_only:  # OpenAI's route: the body says whether to stream, and a stream is SSE
-        return _serve_chat(state, body, wants_stream=False, sse=True, start=start)
+        return serve_chat(state, body, wants_stream=False, sse=True, start=start)
     if "messages" in body:
-        return _serve_chat(state, body, wants_stream=JSONLINES in accept or SSE in accept,
-                           sse=SSE in accept, start=start)
+        return serve_chat(state, body, wants_stream=JSONLINES in accept or SSE in accept,
+                          sse=SSE in accept, start=start)
     return serve_generate(state, body, accept, start)
 
 
@@ -147,35 +138,6 @@ def serve_custom(state: ServerState) -> Response:
     response = row_response(row)
     state.metrics.requests.labels(str(response.status_code)).inc()
     return response
-
-
-def _serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
-                start: float) -> Response:
-    if "messages" not in body:
-        raise bad_request("field messages is required")
-    chat = parse_chat(body, wants_stream=wants_stream)
-    admit(state, chat.n)
-    try:
-        prompt = state.engine.encode_chat(chat.messages)
-    except RequestError as err:
-        raise bad_request(str(err)) from err
-    try:
-        handles = submit(state, [prompt] * chat.n, each_choice(chat.params, chat.n),
-                         stream=chat.stream)
-    except HTTPError as err:
-        if err.code == 400:  # e.g. the length limit, in the chat body's field names
-            err.message = chat_names(err.message, chat.max_field)
-        raise
-    if chat.stream:
-        [handle] = handles
-        trailer = (lambda last: usage_chunk(chat.completion_id, "chat.completion.chunk",
-                                            chat.created, state.model_name, last)
-                   ) if chat.include_usage else None
-        return stream_response(chat_lines(state, chat, handle), handle, state, sse=sse,
-                               done_line=sse, start=start, trailer=trailer)
-    answers = [collect(state, handle, start) for handle in handles]
-    return _json(chat_completion(chat, state.model_name, answers, decode=state.engine.decode),
-                 200)
 
 
 def _read_body() -> dict:

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from engine import TokenEvent
+from engine import RequestError, TokenEvent
 from handler.http.schemas import HTTPError, bad_request, sampling_params
+from handler.http.structured import STRUCTURED_FIELDS, structured_spec
+from handler.http.tools import Tools, parse_tools
 
 _CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature",
                 "top_p", "seed", "stop", "stream", "logprobs", "top_logprobs", "n",
                 "frequency_penalty", "presence_penalty", "ignore_eos", "user",
-                "stream_options"}
+                "stream_options", "tools", "tool_choice", "parallel_tool_calls",
+                *STRUCTURED_FIELDS}
 MAX_CHOICES = 16  # n per request
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+_TEMPLATE_ARGUMENTS = "arguments"  # templates that render calls read them as a dict
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,14 @@ class ChatRequest:
     max_field: str = "max_tokens"  # the body's name for max_new_tokens, used in errors
     include_usage: bool = False  # stream_options.include_usage
     n: int = 1  # choices
+    tools: Tools | None = None
+
+    @property
+    def tools_for_template(self) -> list[dict] | None:
+        """The tools as chat templates take them (transformers' `tools=`)."""
+        if self.tools is None:
+            return None
+        return [{"type": "function", "function": f} for f in self.tools.functions]
 
 
 def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
@@ -39,11 +52,7 @@ def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
     unknown = sorted(set(body) - _CHAT_FIELDS)
     if unknown:
         raise bad_request(f"unknown chat fields: {', '.join(unknown)}")
-    messages = body["messages"]
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages):
-        raise bad_request("messages must be a non-empty list of {role: str, content: str}")
+    messages = _messages(body["messages"])
     n = choices_asked(body, stream=body.get("stream", wants_stream))
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name, 0) not in (0, None):
@@ -67,8 +76,63 @@ def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
         params = sampling_params(parameters, top_logprobs)
     except HTTPError as err:
         raise bad_request(chat_names(err.message, max_field)) from err
-    return ChatRequest(messages, params, stream, logprobs, f"chatcmpl-{uuid.uuid4().hex}",
-                       int(time.time()), max_field, include_usage({**body, "stream": stream}), n)
+    tools = _tools(body)
+    spec = tools.spec() if tools is not None and tools.calls else guided(body)
+    return ChatRequest(messages, replace(params, guided=spec), stream, logprobs,
+                       f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), max_field,
+                       include_usage({**body, "stream": stream}), n, tools)
+
+
+def _messages(messages: object) -> list[dict]:
+    """{role, content} each; an assistant's earlier tool calls may stand for its content."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise bad_request("messages must be a non-empty list of {role: str, content: str}")
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if calls is None and not isinstance(m.get("content"), str):
+            raise bad_request(f"messages[{i}].content must be a string")
+        if calls is not None:
+            messages[i] = _with_calls(m, i)
+    return messages
+
+
+def _with_calls(message: dict, i: int) -> dict:
+    """An assistant message's tool_calls, checked; arguments as a dict for the template."""
+    calls = message["tool_calls"]
+    content = message.get("content")
+    try:
+        assert message["role"] == "assistant" and isinstance(calls, list) and calls
+        assert content is None or isinstance(content, str)
+        shown = [{**c, "function": {**c["function"], _TEMPLATE_ARGUMENTS: json.loads(
+            c["function"]["arguments"])}} for c in calls]
+        assert all(isinstance(c["function"]["name"], str) for c in calls)
+    except (AssertionError, KeyError, TypeError, ValueError) as err:
+        raise bad_request(f"messages[{i}].tool_calls must be the assistant's list of "
+                          '{"id", "type": "function", "function": {"name", "arguments": '
+                          "JSON text}}") from err
+    return {**message, "content": content or "", "tool_calls": shown}
+
+
+def _tools(body: dict) -> Tools | None:
+    try:
+        tools = parse_tools(body)
+    except RequestError as err:
+        raise bad_request(str(err)) from err
+    if tools is not None and tools.calls and guided(body) is not None:
+        raise bad_request("tools (with tool_choice other than none) cannot be combined with "
+                          "response_format or guided_* fields")
+    if not isinstance(body.get("parallel_tool_calls", True), bool):
+        raise bad_request("parallel_tool_calls must be a boolean")
+    return tools
+
+
+def guided(body: dict, prefix: str = ""):
+    """The body's structured-output constraint (GuidedSpec or None); 400 naming the field."""
+    try:
+        return structured_spec(body, prefix)
+    except RequestError as err:
+        raise bad_request(str(err)) from err
 
 
 def choices_asked(body: dict, *, stream: object) -> int:
@@ -129,10 +193,8 @@ def usage(last: TokenEvent) -> dict:
 def chat_completion(req: ChatRequest, model: str, answers: list[list[TokenEvent]], *,
                     decode: Callable[[list[int]], str]) -> dict:
     """One choice per answer (n of them, to one prompt: its tokens are counted once)."""
-    choices = [{"index": i,
-                "message": {"role": "assistant", "content": "".join(e.text for e in events)},
-                "logprobs": _logprobs(events, decode) if req.logprobs else None,
-                "finish_reason": FINISH_REASONS.get(events[-1].finish_reason or "", "stop")}
+    choices = [{"index": i, **_answer(req, events),
+                "logprobs": _logprobs(events, decode) if req.logprobs else None}
                for i, events in enumerate(answers)]
     total = usage(answers[0][-1])
     total["completion_tokens"] = sum(events[-1].num_output_tokens for events in answers)
@@ -141,11 +203,30 @@ def chat_completion(req: ChatRequest, model: str, answers: list[list[TokenEvent]
             "model": model, "choices": choices, "usage": total}
 
 
+def _answer(req: ChatRequest, events: list[TokenEvent]) -> dict:
+    """The assistant's message and finish reason: its text, or the tool call it made."""
+    text = "".join(e.text for e in events)
+    reason = FINISH_REASONS.get(events[-1].finish_reason or "", "stop")
+    content, calls = req.tools.parse(text) if req.tools is not None else (text, [])
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+        reason = "tool_calls"
+    return {"message": message, "finish_reason": reason}
+
+
 def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first: bool,
-               decode: Callable[[list[int]], str]) -> dict:
-    """One streamed chunk: the role first, then content deltas; the last has finish + usage."""
+               decode: Callable[[list[int]], str],
+               answer: list[TokenEvent] | None = None) -> dict:
+    """One streamed chunk: the role first, then content deltas; the last has finish + usage.
+    `answer`: a held-back answer (ending with `event`) sent whole, as content or a tool call."""
     delta: dict = {"role": "assistant", "content": ""} if first else {}
-    if event is not None and event.text:
+    if answer is not None:
+        whole = _answer(req, answer)
+        delta["content"] = whole["message"]["content"]
+        if "tool_calls" in whole["message"]:
+            delta["tool_calls"] = [{"index": 0, **call} for call in whole["message"]["tool_calls"]]
+    elif event is not None and event.text:
         delta["content"] = event.text
     chunk = {"id": req.completion_id, "object": "chat.completion.chunk", "created": req.created,
              "model": model,
@@ -153,6 +234,8 @@ def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first:
     if event is not None and req.logprobs and event.token_id is not None:
         chunk["choices"][0]["logprobs"] = _logprobs([event], decode)
     if event is not None and event.finished:
-        chunk["choices"][0]["finish_reason"] = FINISH_REASONS.get(event.finish_reason or "", "stop")
+        chunk["choices"][0]["finish_reason"] = (
+            _answer(req, answer)["finish_reason"] if answer is not None
+            else FINISH_REASONS.get(event.finish_reason or "", "stop"))
         chunk["usage"] = usage(event)
     return chunk

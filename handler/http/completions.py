@@ -7,15 +7,16 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine import TokenEvent
-from handler.http.chat import FINISH_REASONS, choices_asked, include_usage, usage
+from handler.http.chat import FINISH_REASONS, choices_asked, guided, include_usage, usage
 from handler.http.schemas import HTTPError, bad_request, sampling_params
+from handler.http.structured import STRUCTURED_FIELDS
 
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
            "stream_options", "logprobs", "stop", "seed", "echo", "user", "ignore_eos",
-           "frequency_penalty", "presence_penalty", "best_of"}
+           "frequency_penalty", "presence_penalty", "best_of", *STRUCTURED_FIELDS}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_LOGPROBS = 5  # OpenAI's limit for completions' logprobs
 # HTTP status → OpenAI's error type
@@ -68,6 +69,7 @@ def parse_completion(body: dict) -> CompletionRequest:
         params = sampling_params(parameters, logprobs or 0)
     except HTTPError as err:
         raise bad_request(completion_names(err.message)) from err
+    params = replace(params, guided=guided(body))
     return CompletionRequest(prompts, params, stream, include_usage(body), logprobs, echo,
                              f"cmpl-{uuid.uuid4().hex}", int(time.time()), n)
 

@@ -22,7 +22,6 @@ from engine import (
     SamplingParams,
     TokenEvent,
 )
-from handler.http.chat import ChatRequest, chat_chunk
 from handler.http.schemas import (
     Decode,
     GenerateRequest,
@@ -144,14 +143,6 @@ def generate_lines(gen: GenerateRequest, handle: RequestHandle, decode: Decode) 
             line["generated_text"] = (gen.inputs[0] + text) if gen.return_full_text else text
             line["details"] = details_dict(events, with_tokens=False)
         yield line, event
-
-
-def chat_lines(state: ServerState, chat: ChatRequest, handle: RequestHandle) -> Lines:
-    first = True
-    for event in handle.events():
-        yield chat_chunk(chat, state.model_name, event, first=first,
-                         decode=state.engine.decode), event
-        first = False
 
 
 def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, sse: bool,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from reprlib import Repr
 
 from engine import MAX_TOP_LOGPROBS, RequestError, SamplingParams, TokenEvent
+from handler.http.structured import GUIDED_FIELDS, structured_spec
 
 MAX_LIST_INPUTS = 64
 GENERATE_FIELDS = {"inputs", "parameters", "stream"}  # LMI's and TGI's generate body
@@ -48,6 +49,7 @@ _PARAMETERS: dict[str, tuple[tuple[type, ...], str]] = {
     "decoder_input_details": ((bool,), "a boolean"), "top_n_tokens": ((int,), "an integer"),
     "truncate": ((int, type(None)), "an integer or null"), "watermark": ((bool,), "a boolean"),
 }
+_GRAMMAR_PARAMETERS = ("grammar", *GUIDED_FIELDS)  # handler/http/structured.py reads them
 # Read here, not by SamplingParams.
 _EDGE_PARAMETERS = {"details", "return_full_text", "decoder_input_details", "top_n_tokens",
                     "truncate", "watermark"}
@@ -94,8 +96,13 @@ def parse_generate(body: dict, *, wants_stream: bool,
     if stream and is_list:
         raise bad_request("stream supports a single input, not a list of inputs")
     top_n, truncate, prefill = _tgi_extras(parameters, stream)
-    params = sampling_params({k: v for k, v in parameters.items() if k not in _EDGE_PARAMETERS},
-                             top_n)
+    constrained = {k: parameters[k] for k in _GRAMMAR_PARAMETERS if k in parameters}
+    params = sampling_params({k: v for k, v in parameters.items()
+                              if k not in _EDGE_PARAMETERS and k not in constrained}, top_n)
+    try:  # TGI's grammar, or vLLM's guided_* names
+        params = replace(params, guided=structured_spec(constrained, "parameters."))
+    except RequestError as err:
+        raise bad_request(str(err)) from err
     return GenerateRequest(tuple(items), is_list, params, stream,
                            parameters.get("details", details_default) or prefill,
                            _flag(parameters, "return_full_text"), prefill, top_n, truncate)

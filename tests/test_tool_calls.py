@@ -1,0 +1,96 @@
+"""Tool calling's pieces without a server: the grammar each tool_choice makes, parsing an answer
+into tool_calls, the prompt for templates without tools, and how a stream holds a call back."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from engine import RequestError, TokenEvent
+from engine.guided import check_spec
+from handler.http.chat import parse_chat
+from handler.http.chat_route import _chunks
+from handler.http.tools import history, parse_tools
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+
+
+def tools(choice=None):
+    body = {"tools": [WEATHER]}
+    if choice is not None:
+        body["tool_choice"] = choice
+    return parse_tools(body)
+
+
+def test_each_tool_choice_makes_its_grammar() -> None:
+    assert tools("none").spec() is None
+    assert tools("required").spec().kind == "json"
+    assert tools({"type": "function", "function": {"name": "get_weather"}}).choice == \
+        "get_weather"
+    auto = tools()
+    assert auto.choice == "auto" and auto.spec().kind == "grammar"
+    for t in (tools("required"), auto):
+        check_spec(t.spec())
+
+
+def test_answers_parse_into_calls_or_stay_text() -> None:
+    content, [call] = tools("required").parse(CALL)
+    assert content is None and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert tools("required").parse('{"name": "get_wea') == ('{"name": "get_wea', [])
+    assert tools().parse(f"<tool_call>{CALL}</tool_call>")[1]
+    assert tools().parse("Sunny, I think.") == ("Sunny, I think.", [])
+
+
+def test_templates_without_tools_get_a_system_message_and_calls_as_text() -> None:
+    chat = parse_chat({"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "5 C"}], "tools": [WEATHER]},
+        wants_stream=False)
+    shown = history(chat.messages, chat.tools, template_takes_tools=False)
+    assert shown[0]["role"] == "system" and "get_weather" in shown[0]["content"]
+    assert shown[2]["content"] == f"<tool_call>{CALL}</tool_call>"
+    native = history(chat.messages, chat.tools, template_takes_tools=True)
+    assert native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+
+
+def test_bad_tool_calls_in_history_are_refused() -> None:
+    with pytest.raises(Exception, match="tool_calls must be"):
+        parse_chat({"messages": [{"role": "assistant", "tool_calls": [{"function": {
+            "name": "x", "arguments": "{not json"}}]}]}, wants_stream=False)
+    with pytest.raises(RequestError, match="tool_choice needs tools"):
+        parse_tools({"tool_choice": "auto"})
+
+
+def events(*texts: str) -> list[TokenEvent]:
+    return [TokenEvent("r", i, text, None, 3, i + 1, "eos_token" if i == len(texts) - 1
+                       else None) for i, text in enumerate(texts)]
+
+
+def streamed(choice, texts) -> list[dict]:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "tools": [WEATHER]}
+    if choice is not None:
+        body["tool_choice"] = choice
+    chat = parse_chat(body, wants_stream=True)
+    state = SimpleNamespace(model_name="m", engine=SimpleNamespace(decode=lambda ids: ""))
+    return [line for line, _ in _chunks(state, chat, iter(events(*texts)))]
+
+
+def test_auto_streams_text_at_once_but_holds_a_call_back() -> None:
+    text = streamed(None, ["", "Sun", "ny"])  # "" : the first bytes of a character
+    assert [c["choices"][0]["delta"].get("content") for c in text] == ["", "Sun", "ny"]
+    assert text[-1]["choices"][0]["finish_reason"] == "stop"
+    pieces = ["<tool", "_call>", CALL[:20], CALL[20:], "</tool_call>"]
+    [call] = streamed(None, pieces)
+    delta = call["choices"][0]["delta"]
+    assert delta["content"] is None and delta["tool_calls"][0]["index"] == 0
+    assert delta["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert call["choices"][0]["finish_reason"] == "tool_calls"
+    [forced] = streamed("required", [CALL[:9], CALL[9:]])
+    assert forced["choices"][0]["finish_reason"] == "tool_calls"
