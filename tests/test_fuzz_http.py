@@ -17,6 +17,7 @@ import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from benchmark.schemas import SCHEMAS
 from tests.app_harness import served_app
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import running_server
@@ -59,12 +60,33 @@ PARAMETERS = {**dict.fromkeys(["max_new_tokens", "min_new_tokens", "top_k", "see
                                "details", "decoder_input_details", "watermark"], flags),
               "stop_sequences": stops, "stop": stops}
 NUMERIC = [name for name, values in PARAMETERS.items() if values in (ints, floats)]
+schemas = st.one_of(st.sampled_from([schema for schema, _ in SCHEMAS]), json_values)
+GUIDED = {"guided_json": schemas,
+          "guided_regex": st.one_of(st.sampled_from(["[0-9]{2}", "(a|b)+", "[", "a{99999}"]),
+                                    words, scalars),
+          "guided_choice": st.one_of(st.lists(words, max_size=3), json_values),
+          "guided_grammar": st.one_of(st.sampled_from(['start: "a"+', "start: x", ""]), words,
+                                      scalars)}
+PARAMETERS.update(GUIDED, grammar=st.one_of(st.fixed_dictionaries(
+    {"type": st.sampled_from(["json", "regex", "xml"]), "value": st.one_of(schemas, words)}),
+    json_values))
+tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "tool"]),
+                              "function": st.fixed_dictionaries(
+                                  {"name": st.sampled_from(["f", "g", "bad name"])},
+                                  optional={"parameters": schemas})})
+STRUCTURED = {**GUIDED, "response_format": st.one_of(st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+    optional={"json_schema": st.one_of(st.fixed_dictionaries({"schema": schemas}),
+                                       json_values)}), json_values)}
 CHAT_FIELDS = {**dict.fromkeys(["max_tokens", "max_completion_tokens", "seed", "top_logprobs",
                                 "n"], ints),
                **dict.fromkeys(["temperature", "top_p", "frequency_penalty",
                                 "presence_penalty"], floats),
                **dict.fromkeys(["stream", "logprobs", "ignore_eos"], flags),
-               "stop": stops, "model": scalars, "user": scalars}
+               "stop": stops, "model": scalars, "user": scalars, **STRUCTURED,
+               "tools": st.one_of(st.lists(tool, max_size=2), json_values),
+               "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]),
+                                        json_values)}
 
 
 def some_of(fields: dict) -> st.SearchStrategy[dict]:

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.kernels as kernels
 from engine import SamplingParams
+from engine.guided import GuidedSpec
 from engine.sampler import sample
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
@@ -70,12 +71,17 @@ PROCESSED = [SamplingParams(max_new_tokens=20, ignore_eos=True, do_sample=True, 
              SamplingParams(max_new_tokens=20, repetition_penalty=1.3, top_logprobs=2,
                             min_new_tokens=10),
              GREEDY]
+# grammars that outlast the test: the rows stay guided in every counted step
+GUIDED = [GREEDY, SamplingParams(max_new_tokens=20, guided=GuidedSpec("regex", "[a-z ]{40}")),
+          SamplingParams(max_new_tokens=20, do_sample=True, seed=3,
+                         guided=GuidedSpec("regex", "[0-9]{40}"))]
 BACKENDS = ["reference"] + (["cpu_paged"] if kernels.compiler() else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batching", ["continuous", "paged"])
-@pytest.mark.parametrize("params", [[GREEDY] * 3, PROCESSED], ids=["greedy", "processed"])
+@pytest.mark.parametrize("params", [[GREEDY] * 3, PROCESSED, GUIDED],
+                         ids=["greedy", "processed", "guided"])
 def test_a_decode_step_reads_the_device_once(tiny, backend, batching, params,
                                              monkeypatch) -> None:
     engine = make_engine(tiny, batching, attention_backend=backend)
