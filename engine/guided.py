@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -116,14 +117,16 @@ class Constraint:
 
 
 class GuidedDecoding:
-    """The core's side: llguidance's view of the tokenizer (built on the first guided request:
-    ~1 s for a 150k vocabulary) and compiled matchers cached per spec, copied per sequence."""
+    """The core's side: llguidance's view of the tokenizer (1-2 s for a 50k vocabulary, built
+    on a thread from start-up so that the first guided request does not stall the batch) and
+    compiled matchers cached per spec, copied per sequence."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids) or None
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._building: threading.Thread | None = None
         self._compiled: OrderedDict[GuidedSpec, llguidance.LLMatcher] = OrderedDict()
         self.executor = llguidance.LLExecutor()  # fills a batch's masks on several threads
 
@@ -141,12 +144,25 @@ class GuidedDecoding:
         self._compiled.move_to_end(spec)
         return Constraint(compiled.deep_copy(), tokenizer.vocab_size, self.executor)
 
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            import llguidance.hf
+    def build_in_background(self) -> None:
+        """Start building llguidance's tokenizer now, on a thread of its own."""
+        self._building = threading.Thread(target=self._build, name="guided-tokenizer",
+                                          daemon=True)
+        self._building.start()
 
-            logger.info("guided decoding: building llguidance's tokenizer (once)")
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=max(self.vocab_size, len(self._hf_tokenizer)),
-                eos_token=self._eos)
+    def _build(self) -> None:
+        import llguidance.hf
+
+        tokenizer = llguidance.hf.from_tokenizer(
+            self._hf_tokenizer, n_vocab=max(self.vocab_size, len(self._hf_tokenizer)),
+            eos_token=self._eos)
+        self._tokenizer = tokenizer
+        logger.debug("guided decoding: llguidance's tokenizer is ready")
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._building is not None:
+            self._building.join()
+            self._building = None
+        if self._tokenizer is None:  # not started, or the thread failed (logged): try here
+            self._build()
         return self._tokenizer

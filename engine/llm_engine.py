@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.guided import GuidedDecoding
 from engine.inputs import GenerationRequest, RequestLimits
 from engine.kv.budget import build_allocator, max_concurrency
 from engine.output_processor import OutputProcessor, StepOutput
@@ -50,7 +51,7 @@ class LLMEngine:
         self._last_batch: ScheduledBatch | None = None
         self.phases: StepPhases | NoPhases = NoPhases()
         self.output_processor = OutputProcessor(tokenizer)
-        self._guided = None  # GuidedDecoding, built on the first guided request
+        self._guided: GuidedDecoding | None = None  # see `guided`
         self._pending: list[StepOutput] = []  # ended before any step (a grammar that failed)
 
     @classmethod
@@ -76,7 +77,9 @@ class LLMEngine:
         logger.info("KV pool: %d blocks of %d tokens, %.1f MiB (sized by %s); at most %d "
                     "sequences of max_model_len at once", plan.num_blocks, plan.block_size,
                     plan.pool_bytes / 2**20, plan.sized_by, plan.max_concurrency)
-        return cls(config, tokenizer, scheduler, runner, max_model_len, spec.vocab_size, eos)
+        engine = cls(config, tokenizer, scheduler, runner, max_model_len, spec.vocab_size, eos)
+        engine.guided.build_in_background()  # ready before the first guided request
+        return engine
 
     def close(self) -> None:
         """Stop the tensor-parallel worker ranks, if any (a one-rank engine holds nothing)."""
@@ -123,14 +126,17 @@ class LLMEngine:
         if params.guided is not None:
             self._constrain(request_id, seq)
 
+    @property
+    def guided(self) -> GuidedDecoding:
+        """Guided decoding's grammar state factory (its tokenizer view costs 1-2 s once)."""
+        if self._guided is None:
+            self._guided = GuidedDecoding(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._guided
+
     def _constrain(self, request_id: str, seq: Sequence) -> None:
         """Give a guided sequence its grammar state; one that cannot compile against this
         tokenizer ends the request (checked without the tokenizer at the boundary)."""
-        if self._guided is None:
-            from engine.guided import GuidedDecoding
-
-            self._guided = GuidedDecoding(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        seq.constraint = self._guided.constraint(seq.params.guided)
+        seq.constraint = self.guided.constraint(seq.params.guided)
         if seq.constraint.error is not None:
             logger.warning("request %s: its grammar failed: %s", request_id,
                            seq.constraint.error[:300])

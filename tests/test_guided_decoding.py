@@ -67,18 +67,20 @@ def reference(tiny, prompt: list[int], spec: GuidedSpec, max_new: int) -> list[i
     return tokens[:-1] if tokens and tokens[-1] == 2 else tokens  # batchyard spares the EOS
 
 
-def requests(tiny, max_new: int = 40) -> list[Req]:
+def requests(tiny, max_new: int = 64) -> list[Req]:
     tokenizer = tiny[2]
     prompts = [tokenizer.encode(t) for t in ("The answer is", "Once upon a time there",
                                              "A", "Give me JSON: {")]
     reqs = [Req(f"{kind}{i}", prompt, SamplingParams(max_new_tokens=max_new, guided=spec), i)
             for i, (prompt, (kind, spec)) in enumerate(zip(prompts, SPECS.items(), strict=True))]
-    reqs.append(Req("free", tokenizer.encode("x"), SamplingParams(max_new_tokens=9), 1))  # unguided
+    reqs.append(Req("free", tokenizer.encode("x"), SamplingParams(max_new_tokens=9), 1))
+    reqs.append(Req("json-again", prompts[1], SamplingParams(max_new_tokens=max_new,
+                                                             guided=SPECS["json"]), 1))  # unguided
     return reqs
 
 
 STRATEGIES = [("none", {}), ("dynamic", {}), ("continuous", {}), ("paged", {}),
-              ("paged", {"max_num_seqs": 6, "block_size": 4, "num_kv_blocks": 14})]
+              ("paged", {"max_num_seqs": 6, "block_size": 4, "num_kv_blocks": 20})]
 
 
 @pytest.mark.parametrize(("batching", "overrides"), STRATEGIES,
@@ -92,7 +94,7 @@ def test_guided_greedy_equals_generate_with_the_grammar(tiny, batching, override
         assert engine.scheduler.num_preemptions > 0
     for req in reqs:
         if req.params.guided is not None:
-            assert req.tokens == reference(tiny, req.prompt, req.params.guided, 40), req.request_id
+            assert req.tokens == reference(tiny, req.prompt, req.params.guided, 64), req.request_id
     texts = {r.request_id: tiny[2].decode(r.tokens) for r in reqs}
     jsonschema.validate(json.loads(texts["json0"]), SCHEMA)
     assert re.fullmatch(r"(cat|dog)-[0-9]{2,3}", texts["regex1"])
