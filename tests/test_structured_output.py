@@ -124,12 +124,14 @@ def test_a_forced_tool_call_has_valid_arguments(server) -> None:
             assert call.function.name == "get_weather"
 
 
-def test_a_streamed_tool_call_comes_as_one_delta(server) -> None:
-    chunks = list(chat(server, tools=[WEATHER], tool_choice="required", stream=True))
-    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and
-             c.choices[0].delta.tool_calls]
-    assert len(calls) == 1 and calls[0][0].function.name == "get_weather"
-    json.loads(calls[0][0].function.arguments)
+def test_a_streamed_tool_call_assembles_into_the_whole_answer(server) -> None:
+    body = {"tools": [WEATHER], "tool_choice": "required", "temperature": 0}
+    [whole] = chat(server, **body).choices[0].message.tool_calls
+    chunks = list(chat(server, stream=True, **body))
+    entries = [e for c in chunks if c.choices for e in c.choices[0].delta.tool_calls or []]
+    assert entries[0].function.name == "get_weather" and entries[0].id.startswith("call_")
+    arguments = "".join(e.function.arguments or "" for e in entries)
+    assert arguments == whole.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

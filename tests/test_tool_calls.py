@@ -82,15 +82,31 @@ def streamed(choice, texts) -> list[dict]:
     return [line for line, _ in _chunks(state, chat, iter(events(*texts)))]
 
 
-def test_auto_streams_text_at_once_but_holds_a_call_back() -> None:
+def assembled(chunks: list[dict]) -> tuple[str, str, list[str]]:
+    """(name, arguments, argument pieces) from a stream's tool_calls deltas."""
+    entries = [e for c in chunks for e in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert entries and all(e["index"] == 0 for e in entries)
+    assert entries[0]["id"].startswith("call_") and entries[0]["type"] == "function"
+    pieces = [e["function"].get("arguments", "") for e in entries]
+    return entries[0]["function"]["name"], "".join(pieces), pieces
+
+
+def test_auto_streams_text_at_once_and_a_call_as_argument_deltas() -> None:
     text = streamed(None, ["", "Sun", "ny"])  # "" : the first bytes of a character
     assert [c["choices"][0]["delta"].get("content") for c in text] == ["", "Sun", "ny"]
     assert text[-1]["choices"][0]["finish_reason"] == "stop"
-    pieces = ["<tool", "_call>", CALL[:20], CALL[20:], "</tool_call>"]
-    [call] = streamed(None, pieces)
-    delta = call["choices"][0]["delta"]
-    assert delta["content"] is None and delta["tool_calls"][0]["index"] == 0
-    assert delta["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert call["choices"][0]["finish_reason"] == "tool_calls"
-    [forced] = streamed("required", [CALL[:9], CALL[9:]])
-    assert forced["choices"][0]["finish_reason"] == "tool_calls"
+    pieces = ["<tool", "_call>", CALL[:12], CALL[12:33], CALL[33:40], CALL[40:], "</tool_call>"]
+    chunks = streamed(None, pieces)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    name, arguments, sent = assembled(chunks)
+    assert name == "get_weather" and json.loads(arguments) == {"city": "Oslo"}
+    assert len([p for p in sent if p]) >= 2  # the arguments came in pieces
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert all(c["choices"][0]["delta"].get("content") is None for c in chunks)
+
+
+def test_a_forced_call_streams_its_arguments_and_holds_its_closing_brace() -> None:
+    chunks = streamed("required", [CALL[:9], CALL[9:31], CALL[31:-2], CALL[-2:]])
+    name, arguments, _ = assembled(chunks)
+    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Oslo"})
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -217,16 +217,15 @@ def _answer(req: ChatRequest, events: list[TokenEvent]) -> dict:
 
 def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first: bool,
                decode: Callable[[list[int]], str],
-               answer: list[TokenEvent] | None = None) -> dict:
+               tool_calls: list[dict] | None = None) -> dict:
     """One streamed chunk: the role first, then content deltas; the last has finish + usage.
-    `answer`: a held-back answer (ending with `event`) sent whole, as content or a tool call."""
-    delta: dict = {"role": "assistant", "content": ""} if first else {}
-    if answer is not None:
-        whole = _answer(req, answer)
-        delta["content"] = whole["message"]["content"]
-        if "tool_calls" in whole["message"]:
-            delta["tool_calls"] = [{"index": 0, **call} for call in whole["message"]["tool_calls"]]
-    elif event is not None and event.text:
+    With `tool_calls` (the answer is a call) the delta carries those instead of content, and
+    an answer that ends well finishes as tool_calls."""
+    delta: dict = {"role": "assistant", "content": None if tool_calls is not None else ""} \
+        if first else {}
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    elif tool_calls is None and event is not None and event.text:
         delta["content"] = event.text
     chunk = {"id": req.completion_id, "object": "chat.completion.chunk", "created": req.created,
              "model": model,
@@ -234,8 +233,8 @@ def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first:
     if event is not None and req.logprobs and event.token_id is not None:
         chunk["choices"][0]["logprobs"] = _logprobs([event], decode)
     if event is not None and event.finished:
-        chunk["choices"][0]["finish_reason"] = (
-            _answer(req, answer)["finish_reason"] if answer is not None
-            else FINISH_REASONS.get(event.finish_reason or "", "stop"))
+        reason = FINISH_REASONS.get(event.finish_reason or "", "stop")
+        chunk["choices"][0]["finish_reason"] = ("tool_calls" if tool_calls is not None
+                                                and reason == "stop" else reason)
         chunk["usage"] = usage(event)
     return chunk

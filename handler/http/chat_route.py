@@ -21,7 +21,7 @@ from handler.http.completions import usage_chunk
 from handler.http.generation import Lines, admit, collect, stream_response, submit
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
-from handler.http.tools import CALL_OPEN, history
+from handler.http.tools import CALL_OPEN, CallStream, history
 
 
 def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
@@ -59,28 +59,34 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
 
 
 def _chunks(state: ServerState, chat: ChatRequest, events: Iterator[TokenEvent]) -> Lines:
-    """Content deltas as tokens come; an answer that is a tool call is held back and sent whole
-    when it ends, as one tool_calls delta. Under `auto` the first text decides: the grammar lets
-    only a call start with "<"."""
+    """Content deltas as tokens come; an answer that is a call streams as tool_calls deltas
+    (the name, then pieces of the arguments). Under `auto` the first text decides: the grammar
+    lets only a call start with "<"."""
     model, decode = state.model_name, state.engine.decode
     tools = chat.tools
-    holding = tools is not None and tools.choice not in ("none", "auto")
+    call = CallStream(wrapped=False) if tools is not None and tools.choice not in (
+        "none", "auto") else None
     deciding = tools is not None and tools.choice == "auto"
-    held: list[TokenEvent] = []
+    held: list[TokenEvent] = []  # under auto, tokens with no text yet
     first = True
     for event in events:
-        if deciding and event.text:
-            holding, deciding = event.text.startswith(CALL_OPEN[0]), False
-            if not holding:  # text after all: what was held (no text yet) goes first
-                for early in held:
+        if deciding and (event.text or event.finished):
+            deciding = False
+            if event.text.startswith(CALL_OPEN[0]):
+                call = CallStream(wrapped=True)
+            for early in held:  # no text: nothing a call would show
+                if call is None:
                     yield chat_chunk(chat, model, early, first=first, decode=decode), early
                     first = False
-                held = []
-        if holding or deciding:
+        if deciding:
             held.append(event)
-            if event.finished:
-                yield chat_chunk(chat, model, event, first=first, decode=decode,
-                                 answer=held), event
             continue
-        yield chat_chunk(chat, model, event, first=first, decode=decode), event
-        first = False
+        if call is None:
+            yield chat_chunk(chat, model, event, first=first, decode=decode), event
+            first = False
+            continue
+        deltas = call.feed(event.text)
+        if deltas or event.finished or first:
+            yield chat_chunk(chat, model, event, first=first, decode=decode,
+                             tool_calls=deltas), event
+            first = False

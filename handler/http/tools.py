@@ -61,12 +61,53 @@ class Tools:
             call = json.loads(body)
         except ValueError:
             return text, []
-        return None, [tool_call(call["name"], call["arguments"])]
+        # the arguments as generated (what a stream sends), not re-serialised
+        head = CallStream.HEAD.match(body)
+        arguments = body[head.end():-1] if head else json.dumps(call["arguments"])
+        return None, [tool_call(call["name"], arguments)]
 
 
-def tool_call(name: str, arguments: object) -> dict:
+class CallStream:
+    """A call's text, as it grows → OpenAI tool_calls deltas: the id and name once known, then
+    the arguments' text piece by piece. The grammar writes a call exactly as
+    {"name": "N", "arguments": ARGS} (inside <tool_call>...</tool_call> under auto), so the
+    arguments are what lies between that head and the closing tail, which is held back."""
+
+    HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+    def __init__(self, wrapped: bool) -> None:
+        self.id = f"call_{uuid.uuid4().hex[:24]}"
+        self._text = ""
+        self._skip = len(CALL_OPEN) if wrapped else 0
+        self._tail = len("}" + (CALL_CLOSE if wrapped else ""))
+        self._sent = -1  # characters of the arguments sent; -1: not even the name yet
+
+    def feed(self, piece: str) -> list[dict]:
+        """The deltas (at most one entry) that `piece` completes."""
+        self._text += piece
+        head = self.HEAD.match(self._text, self._skip)
+        if head is None:
+            return []
+        ready = len(self._text) - self._tail - head.end()  # arguments' characters sent so far
+        entry: dict = {"index": 0, "function": {}}
+        if self._sent < 0:
+            entry.update(id=self.id, type="function")
+            entry["function"]["name"] = json.loads(head.group(1))
+            self._sent = 0
+        if ready > self._sent:
+            entry["function"]["arguments"] = self._text[head.end() + self._sent:
+                                                        head.end() + ready]
+            self._sent = ready
+        elif "name" in entry["function"]:
+            entry["function"]["arguments"] = ""
+        else:
+            return []
+        return [entry]
+
+
+def tool_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _call_schema(function: dict) -> dict:
