@@ -113,5 +113,17 @@ def test_n_choices_seeded_apart_and_counted_once_per_prompt(server) -> None:
     assert batch.usage.completion_tokens == 6 * 8
     top_seed = api.chat.completions.create(messages=CHAT, **{**asked, "seed": 2**63 - 1})
     assert len(top_seed.choices) == 3  # seed + i wraps around within the seeds' range
-    with pytest.raises(openai.BadRequestError, match="n > 1 cannot be streamed"):
-        api.completions.create(prompt="hi", stream=True, **asked)
+    streamed = list(api.chat.completions.create(messages=CHAT, stream=True,
+                                                stream_options={"include_usage": True}, **asked))
+    pieces: dict[int, str] = {}
+    for chunk in streamed[:-1]:
+        [choice] = chunk.choices
+        pieces[choice.index] = pieces.get(choice.index, "") + (choice.delta.content or "")
+    assert [pieces[i] for i in range(3)] == texts  # interleaved, each equal to its whole answer
+    assert streamed[-1].usage == first.usage
+    chunks = list(api.completions.create(prompt="Once upon a time", stream=True, **asked))
+    whole = api.completions.create(prompt="Once upon a time", **asked)
+    for c in whole.choices:
+        assert "".join(k.choices[0].text for k in chunks if k.choices[0].index == c.index) \
+            == c.text
+    assert {k.choices[0].finish_reason for k in chunks} == {None, "length"}

@@ -1,17 +1,16 @@
 """Tool calling's pieces without a server: the grammar each tool_choice makes, parsing an answer
-into tool_calls, the prompt for templates without tools, and how a stream holds a call back."""
+into tool_calls, the prompt for templates without tools, and how a call streams."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from engine import RequestError, TokenEvent
 from engine.guided import check_spec
 from handler.http.chat import parse_chat
-from handler.http.chat_route import _chunks
+from handler.http.chat_route import ChoiceStream
 from handler.http.tools import history, parse_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -78,8 +77,8 @@ def streamed(choice, texts) -> list[dict]:
     if choice is not None:
         body["tool_choice"] = choice
     chat = parse_chat(body, wants_stream=True)
-    state = SimpleNamespace(model_name="m", engine=SimpleNamespace(decode=lambda ids: ""))
-    return [line for line, _ in _chunks(state, chat, iter(events(*texts)))]
+    stream = ChoiceStream(chat, "m", lambda ids: "")
+    return [chunk for event in events(*texts) for chunk in stream.feed(event)]
 
 
 def assembled(chunks: list[dict]) -> tuple[str, str, list[str]]:

@@ -137,14 +137,12 @@ def guided(body: dict, prefix: str = ""):
 
 def choices_asked(body: dict, *, stream: object) -> int:
     """OpenAI's `n`: 1 to MAX_CHOICES answers to one prompt, each its own sequence (a seeded
-    request's choice i uses seed + i); one when streaming."""
+    request's choice i uses seed + i); streamed, their chunks interleave, told apart by index."""
     n = body.get("n")
     if n is None:
         return 1
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be an integer from 1 to {MAX_CHOICES}")
-    if n > 1 and stream is True:
-        raise bad_request("n > 1 cannot be streamed yet; send stream=false or n=1")
     return n
 
 
@@ -185,9 +183,13 @@ def _logprobs(events: list[TokenEvent], decode: Callable[[list[int]], str]) -> d
                         for e in events if e.token_id is not None]}
 
 
-def usage(last: TokenEvent) -> dict:
-    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
-            "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+def usage(last: TokenEvent | list[TokenEvent]) -> dict:
+    """Token counts from the final event of each choice (n choices of one prompt: the prompt
+    counts once)."""
+    lasts = last if isinstance(last, list) else [last]
+    prompt, completion = lasts[0].num_prompt_tokens, sum(e.num_output_tokens for e in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def chat_completion(req: ChatRequest, model: str, answers: list[list[TokenEvent]], *,
@@ -196,9 +198,7 @@ def chat_completion(req: ChatRequest, model: str, answers: list[list[TokenEvent]
     choices = [{"index": i, **_answer(req, events),
                 "logprobs": _logprobs(events, decode) if req.logprobs else None}
                for i, events in enumerate(answers)]
-    total = usage(answers[0][-1])
-    total["completion_tokens"] = sum(events[-1].num_output_tokens for events in answers)
-    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    total = usage([events[-1] for events in answers])
     return {"id": req.completion_id, "object": "chat.completion", "created": req.created,
             "model": model, "choices": choices, "usage": total}
 
@@ -217,7 +217,7 @@ def _answer(req: ChatRequest, events: list[TokenEvent]) -> dict:
 
 def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first: bool,
                decode: Callable[[list[int]], str],
-               tool_calls: list[dict] | None = None) -> dict:
+               tool_calls: list[dict] | None = None, index: int = 0) -> dict:
     """One streamed chunk: the role first, then content deltas; the last has finish + usage.
     With `tool_calls` (the answer is a call) the delta carries those instead of content, and
     an answer that ends well finishes as tool_calls."""
@@ -229,12 +229,14 @@ def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first:
         delta["content"] = event.text
     chunk = {"id": req.completion_id, "object": "chat.completion.chunk", "created": req.created,
              "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": None,
+                          "finish_reason": None}]}
     if event is not None and req.logprobs and event.token_id is not None:
         chunk["choices"][0]["logprobs"] = _logprobs([event], decode)
     if event is not None and event.finished:
         reason = FINISH_REASONS.get(event.finish_reason or "", "stop")
         chunk["choices"][0]["finish_reason"] = ("tool_calls" if tool_calls is not None
                                                 and reason == "stop" else reason)
-        chunk["usage"] = usage(event)
+        if req.n == 1:  # with n choices, only stream_options' usage chunk sums them
+            chunk["usage"] = usage(event)
     return chunk

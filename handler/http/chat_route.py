@@ -1,14 +1,13 @@
 """Serving OpenAI's chat completions (on /invocations too): parse, render the template (with the
-tools), submit, answer whole or stream; a tool-call answer streams as one tool_calls delta."""
+tools), submit, answer whole or stream (n choices interleaved; a call as tool_calls deltas)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 from flask import Response
 
-from engine import RequestError, TokenEvent
+from engine import RequestError, RequestHandle, TokenEvent
 from handler.http.chat import (
     ChatRequest,
     chat_chunk,
@@ -17,6 +16,7 @@ from handler.http.chat import (
     each_choice,
     parse_chat,
 )
+from handler.http.choices import HandleGroup
 from handler.http.completions import usage_chunk
 from handler.http.generation import Lines, admit, collect, stream_response, submit
 from handler.http.schemas import HTTPError, bad_request
@@ -45,11 +45,12 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
             err.message = chat_names(err.message, chat.max_field)
         raise
     if chat.stream:
-        [handle] = handles
-        trailer = (lambda last: usage_chunk(chat.completion_id, "chat.completion.chunk",
-                                            chat.created, state.model_name, last)
+        handle = handles[0] if chat.n == 1 else HandleGroup(handles)
+        lines, streams = _chunks(state, chat, handle)
+        trailer = (lambda _: usage_chunk(chat.completion_id, "chat.completion.chunk",
+                                         chat.created, state.model_name,
+                                         [s.last for s in streams])
                    ) if chat.include_usage else None
-        lines = _chunks(state, chat, handle.events())
         return stream_response(lines, handle, state, sse=sse, done_line=sse, start=start,
                                trailer=trailer)
     answers = [collect(state, handle, start) for handle in handles]
@@ -58,35 +59,57 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
                     status=200, mimetype="application/json")
 
 
-def _chunks(state: ServerState, chat: ChatRequest, events: Iterator[TokenEvent]) -> Lines:
-    """Content deltas as tokens come; an answer that is a call streams as tool_calls deltas
-    (the name, then pieces of the arguments). Under `auto` the first text decides: the grammar
-    lets only a call start with "<"."""
-    model, decode = state.model_name, state.engine.decode
-    tools = chat.tools
-    call = CallStream(wrapped=False) if tools is not None and tools.choice not in (
-        "none", "auto") else None
-    deciding = tools is not None and tools.choice == "auto"
-    held: list[TokenEvent] = []  # under auto, tokens with no text yet
-    first = True
-    for event in events:
-        if deciding and (event.text or event.finished):
-            deciding = False
+class ChoiceStream:
+    """One choice's chunks as its events come: content deltas; or, for an answer that is a
+    call, tool_calls deltas (the name, then pieces of the arguments). Under `auto` the first
+    text decides: the grammar lets only a call start with "<"."""
+
+    def __init__(self, chat: ChatRequest, model: str, decode, index: int = 0) -> None:
+        self.chat, self.model, self.decode, self.index = chat, model, decode, index
+        tools = chat.tools
+        self.call = CallStream(wrapped=False) if tools is not None and tools.choice not in (
+            "none", "auto") else None
+        self.deciding = tools is not None and tools.choice == "auto"
+        self.held: list[TokenEvent] = []  # under auto, tokens with no text yet
+        self.first = True
+        self.last: TokenEvent | None = None
+
+    def feed(self, event: TokenEvent) -> list[dict]:
+        self.last = event
+        chunks = []
+        if self.deciding and (event.text or event.finished):
+            self.deciding = False
             if event.text.startswith(CALL_OPEN[0]):
-                call = CallStream(wrapped=True)
-            for early in held:  # no text: nothing a call would show
-                if call is None:
-                    yield chat_chunk(chat, model, early, first=first, decode=decode), early
-                    first = False
-        if deciding:
-            held.append(event)
-            continue
-        if call is None:
-            yield chat_chunk(chat, model, event, first=first, decode=decode), event
-            first = False
-            continue
-        deltas = call.feed(event.text)
-        if deltas or event.finished or first:
-            yield chat_chunk(chat, model, event, first=first, decode=decode,
-                             tool_calls=deltas), event
-            first = False
+                self.call = CallStream(wrapped=True)
+            else:  # text after all: the held tokens (no text) go first
+                chunks = [self._chunk(early) for early in self.held]
+        if self.deciding:
+            self.held.append(event)
+            return []
+        if self.call is None:
+            return [*chunks, self._chunk(event)]
+        deltas = self.call.feed(event.text)
+        if deltas or event.finished or self.first:
+            return [self._chunk(event, deltas)]
+        return []
+
+    def _chunk(self, event: TokenEvent, tool_calls: list[dict] | None = None) -> dict:
+        chunk = chat_chunk(self.chat, self.model, event, first=self.first, decode=self.decode,
+                           tool_calls=tool_calls, index=self.index)
+        self.first = False
+        return chunk
+
+
+def _chunks(state: ServerState, chat: ChatRequest, handle: RequestHandle | HandleGroup
+            ) -> tuple[Lines, list[ChoiceStream]]:
+    """Each choice's chunks, in the order their events come."""
+    streams = [ChoiceStream(chat, state.model_name, state.engine.decode, i)
+               for i in range(chat.n)]
+    index = handle.index if isinstance(handle, HandleGroup) else {handle.request_id: 0}
+
+    def lines() -> Lines:
+        for event in handle.events():
+            for chunk in streams[index[event.request_id]].feed(event):
+                yield chunk, event
+
+    return lines(), streams

@@ -113,11 +113,11 @@ def completion(req: CompletionRequest, model: str, answers: list[list[TokenEvent
 
 
 def completion_chunk(req: CompletionRequest, model: str, event: TokenEvent, *, first: bool,
-                     decode: Callable[[list[int]], str]) -> dict:
+                     decode: Callable[[list[int]], str], index: int = 0) -> dict:
     """One streamed chunk: the token's text (the prompt first, with echo); the last has the
     finish reason."""
     text = (req.prompts[0] if first and req.echo else "") + event.text
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
     if req.logprobs is not None and event.token_id is not None:
         choice["logprobs"] = _logprobs([event], decode)
     if event.finished:
@@ -127,7 +127,7 @@ def completion_chunk(req: CompletionRequest, model: str, event: TokenEvent, *, f
 
 
 def usage_chunk(completion_id: str, obj: str, created: int, model: str,
-                last: TokenEvent) -> dict:
+                last: TokenEvent | list[TokenEvent]) -> dict:
     """stream_options.include_usage's last chunk: no choices, the request's usage."""
     return {"id": completion_id, "object": obj, "created": created, "model": model,
             "choices": [], "usage": usage(last)}

@@ -9,6 +9,7 @@ from flask import Response
 
 from engine import RequestError, TokenEvent
 from handler.http.chat import each_choice
+from handler.http.choices import HandleGroup
 from handler.http.completions import (
     completion,
     completion_chunk,
@@ -36,15 +37,21 @@ def serve_completions(state: ServerState, body: dict, start: float) -> Response:
             err.message = completion_names(err.message)
         raise
     model, decode = state.model_name, state.engine.decode
-    if req.stream:
-        [handle] = handles
+    if req.stream:  # one prompt, n choices whose chunks interleave
+        handle = handles[0] if req.n == 1 else HandleGroup(handles)
+        index = handle.index if isinstance(handle, HandleGroup) else {handle.request_id: 0}
+        lasts: dict[int, TokenEvent] = {}
 
         def lines() -> Iterator[tuple[dict, TokenEvent]]:
-            for i, event in enumerate(handle.events()):
-                yield completion_chunk(req, model, event, first=i == 0, decode=decode), event
+            for event in handle.events():
+                i = index[event.request_id]
+                yield completion_chunk(req, model, event, first=i not in lasts, decode=decode,
+                                       index=i), event
+                lasts[i] = event
 
-        trailer = (lambda last: usage_chunk(req.completion_id, "text_completion", req.created,
-                                            model, last)) if req.include_usage else None
+        trailer = (lambda _: usage_chunk(req.completion_id, "text_completion", req.created,
+                                         model, [lasts[i] for i in sorted(lasts)])
+                   ) if req.include_usage else None
         return stream_response(lines(), handle, state, sse=True, done_line=True, start=start,
                                trailer=trailer)
     answers = [collect(state, handle, start) for handle in handles]
