@@ -42,6 +42,7 @@ class SamplingPlan:
     any_top_p: bool
     any_penalty: bool
     any_eos_mask: bool
+    any_openai_penalty: bool = False  # frequency or presence
     # (constraint, row) of the rows a grammar guides: their masks are filled while the forward
     # runs, then uploaded with one copy
     guided: tuple[tuple[object, int], ...] = ()
@@ -60,15 +61,16 @@ class Sampler:
         eos_masked = [_eos_masked(seq) for seq in seqs]
         guided = tuple((seq.constraint, i) for i, seq in enumerate(seqs)
                        if seq.constraint is not None)
+        counted = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
         plan = SamplingPlan(
             top_logprobs=tuple(p.top_logprobs for p in params),
             plain_greedy=all(p.greedy and p.repetition_penalty == 1.0 for p in params)
-            and not any(eos_masked) and not guided,
+            and not any(eos_masked) and not guided and not counted,
             any_sampled=any(not p.greedy for p in params),
             any_top_k=any(not p.greedy and p.top_k > 0 for p in params),
             any_top_p=any(not p.greedy and p.top_p < 1.0 for p in params),
             any_penalty=any(p.repetition_penalty != 1.0 for p in params),
-            any_eos_mask=any(eos_masked), guided=guided)
+            any_eos_mask=any(eos_masked), any_openai_penalty=bool(counted), guided=guided)
         if plan.plain_greedy:
             return plan
         buffer.put("s_ints", [[int(p.greedy) for p in params], eos_masked,
@@ -82,6 +84,12 @@ class Sampler:
             rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
             buffer.put("s_penalty_rows", [i for i in rows for _ in seqs[i].token_ids])
             buffer.put("s_penalty_tokens", [t for i in rows for t in seqs[i].token_ids])
+        if counted:  # each generated token once per occurrence: counts add up on the device
+            buffer.put_floats("s_openai", [[p.frequency_penalty for p in params],
+                                           [p.presence_penalty for p in params]],
+                              shape=(2, len(seqs)))
+            buffer.put("s_count_rows", [i for i in counted for _ in seqs[i].output_token_ids])
+            buffer.put("s_count_tokens", [t for i in counted for t in seqs[i].output_token_ids])
         if plan.any_eos_mask:
             buffer.put("s_eos_ids", sorted(set().union(*(s.eos_token_ids for s in seqs))))
         return plan
@@ -135,13 +143,21 @@ def unpack(host: np.ndarray, plan: SamplingPlan) -> list[SampledToken]:
 
 def _penalised(logits: torch.Tensor, plan: SamplingPlan, views: dict[str, torch.Tensor],
                penalty: torch.Tensor, eos_masked: torch.Tensor) -> torch.Tensor:
-    """Repetition penalty over each row's prompt + output tokens, then the EOS mask."""
+    """Repetition penalty over each row's prompt + output tokens, OpenAI's frequency and
+    presence penalties over its output tokens, then the EOS and grammar masks."""
     scores = logits
     if plan.any_penalty:
         seen = torch.zeros_like(logits, dtype=torch.bool)  # [S, vocab]
         seen[views["s_penalty_rows"], views["s_penalty_tokens"]] = True
         p = penalty[:, None]
         scores = torch.where(seen, torch.where(scores < 0, scores * p, scores / p), scores)
+    if plan.any_openai_penalty:
+        frequency, presence = views["s_openai"].float()  # [S] each
+        counts = torch.zeros_like(logits)  # [S, vocab]
+        rows = views["s_count_rows"]
+        counts.index_put_((rows, views["s_count_tokens"]),
+                          torch.ones_like(rows, dtype=counts.dtype), accumulate=True)
+        scores = scores - counts * frequency[:, None] - (counts > 0) * presence[:, None]
     if plan.any_eos_mask:
         eos = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)  # [vocab]
         eos[views["s_eos_ids"]] = True

@@ -14,6 +14,7 @@ MAX_STOP_SEQUENCE_CHARS = 256
 # Beyond these, sampling divides by ~0 or the penalty swamps the logits: no use, only NaNs.
 TEMPERATURE_RANGE = (0.01, 100.0)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+OPENAI_PENALTY_RANGE = (-2.0, 2.0)  # frequency_penalty, presence_penalty: OpenAI's range
 MAX_TOP_LOGPROBS = 20
 
 
@@ -36,6 +37,10 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     repetition_penalty: float = 1.0  # 1.0: off
+    # OpenAI's: minus penalty x count (frequency) or x 1 (presence) for each token already
+    # generated (the output, not the prompt, as OpenAI and vLLM define them); 0.0: off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -59,6 +64,10 @@ class SamplingParams:
         low, high = REPETITION_PENALTY_RANGE
         _require(low <= self.repetition_penalty <= high, "repetition_penalty",
                  f"must be between {low:g} and {high:g}", self.repetition_penalty)
+        low, high = OPENAI_PENALTY_RANGE
+        for name in ("frequency_penalty", "presence_penalty"):
+            _require(low <= getattr(self, name) <= high, name,
+                     f"must be between {low:g} and {high:g}", getattr(self, name))
         _require(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                  f"must be between 0 and {MAX_TOP_LOGPROBS}", self.top_logprobs)
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed",

@@ -127,3 +127,13 @@ def test_n_choices_seeded_apart_and_counted_once_per_prompt(server) -> None:
         assert "".join(k.choices[0].text for k in chunks if k.choices[0].index == c.index) \
             == c.text
     assert {k.choices[0].finish_reason for k in chunks} == {None, "length"}
+
+
+def test_frequency_and_presence_penalties_change_a_repetitive_answer(server) -> None:
+    api = client(server)
+    plain = api.completions.create(model=server[1], prompt="la la la", **GREEDY).choices[0]
+    penalised = api.completions.create(model=server[1], prompt="la la la", frequency_penalty=2,
+                                       presence_penalty=1, **GREEDY).choices[0]
+    assert penalised.text != plain.text
+    with pytest.raises(openai.BadRequestError, match="presence_penalty must be between -2"):
+        api.chat.completions.create(model=server[1], messages=CHAT, presence_penalty=3)

@@ -147,3 +147,26 @@ def test_top_logprobs_are_the_best_alternatives() -> None:
     assert [a for a, _ in tokens[0].top_logprobs] == best.tolist()
     torch.testing.assert_close(torch.tensor([v for _, v in tokens[0].top_logprobs]), values)
     assert tokens[1].top_logprobs == ()
+
+
+def test_frequency_and_presence_penalties_follow_openais_definition() -> None:
+    """logit[j] - count_j * frequency - (count_j > 0) * presence, counted over the output only
+    (the prompt's 5 is not penalised); a row without them is untouched."""
+    torch.manual_seed(5)
+    logits = torch.randn(3, 30)
+    top = logits.max()
+    logits[:, 7], logits[:, 5] = top + 2, top + 1  # 7 wins unless penalised, then 5
+    rows = [seq(prompt=(5, 5), outputs=3, frequency_penalty=0.7, presence_penalty=-0.4),
+            seq(prompt=(5,), outputs=2, presence_penalty=1.5),
+            seq(prompt=(5,), outputs=2)]
+    rows[0].token_ids += [7, 7]  # output 7, 8, 9, 7, 7: token 7 three times
+    want = logits.clone()
+    for r, s in enumerate(rows):
+        output, p = s.output_token_ids, s.params
+        for token in set(output):
+            want[r, token] -= output.count(token) * p.frequency_penalty + p.presence_penalty
+    assert want.argmax(-1).tolist() == [5, 5, 7]
+    assert ids(sample(logits, rows)) == [5, 5, 7]
+    tokens = sample(logits[:2], rows[:2])
+    torch.testing.assert_close(torch.tensor([t.logprob for t in tokens]),
+                               torch.log_softmax(logits[:2], -1)[:, 5])  # raw log-probs

@@ -67,7 +67,8 @@ def tiny(tmp_path_factory):
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 PROCESSED = [SamplingParams(max_new_tokens=20, ignore_eos=True, do_sample=True, top_k=5,
-                            top_p=0.9, temperature=0.8, seed=1),
+                            top_p=0.9, temperature=0.8, seed=1, frequency_penalty=0.5,
+                            presence_penalty=0.3),
              SamplingParams(max_new_tokens=20, repetition_penalty=1.3, top_logprobs=2,
                             min_new_tokens=10),
              GREEDY]

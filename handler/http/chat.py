@@ -20,6 +20,9 @@ _CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "tem
                 "stream_options", "tools", "tool_choice", "parallel_tool_calls",
                 *STRUCTURED_FIELDS}
 MAX_CHOICES = 16  # n per request
+# the body's fields that are generation parameters under the same name
+OPENAI_PARAMETERS = ("temperature", "top_p", "seed", "stop", "ignore_eos", "frequency_penalty",
+                     "presence_penalty")
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 _TEMPLATE_ARGUMENTS = "arguments"  # templates that render calls read them as a dict
 
@@ -54,9 +57,6 @@ def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
         raise bad_request(f"unknown chat fields: {', '.join(unknown)}")
     messages = _messages(body["messages"])
     n = choices_asked(body, stream=body.get("stream", wants_stream))
-    for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name, 0) not in (0, None):
-            raise bad_request(f"{name} is not supported (must be 0 or absent)")
     logprobs = body.get("logprobs", False)
     stream = body.get("stream", wants_stream)
     if not isinstance(logprobs, bool) or not isinstance(stream, bool):
@@ -65,8 +65,7 @@ def parse_chat(body: dict, *, wants_stream: bool) -> ChatRequest:
     if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or (
             top_logprobs and not logprobs):
         raise bad_request("top_logprobs must be an integer from 0 to 20, with logprobs true")
-    parameters = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos")
-                  if body.get(k) is not None}
+    parameters = {k: body[k] for k in OPENAI_PARAMETERS if body.get(k) is not None}
     # OpenAI's newer name wins when given, as before; errors then name it.
     max_field = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
                  else "max_tokens")

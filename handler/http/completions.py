@@ -10,7 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine import TokenEvent
-from handler.http.chat import FINISH_REASONS, choices_asked, guided, include_usage, usage
+from handler.http.chat import (
+    FINISH_REASONS,
+    OPENAI_PARAMETERS,
+    choices_asked,
+    guided,
+    include_usage,
+    usage,
+)
 from handler.http.schemas import HTTPError, bad_request, sampling_params
 from handler.http.structured import STRUCTURED_FIELDS
 
@@ -48,9 +55,8 @@ def parse_completion(body: dict) -> CompletionRequest:
     if not isinstance(prompts, list) or not prompts or not all(
             isinstance(p, str) and p for p in prompts):
         raise bad_request("prompt must be a non-empty string or a list of them")
-    for name, neutral in (("best_of", 1), ("frequency_penalty", 0), ("presence_penalty", 0)):
-        if body.get(name) not in (neutral, None):
-            raise bad_request(f"{name} must be {neutral} or absent (not supported)")
+    if body.get("best_of") not in (1, None):
+        raise bad_request("best_of must be 1 or absent (not supported)")
     stream, echo = body.get("stream", False), body.get("echo", False)
     n = choices_asked(body, stream=stream)
     if not isinstance(stream, bool) or not isinstance(echo, bool):
@@ -61,8 +67,7 @@ def parse_completion(body: dict) -> CompletionRequest:
     if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
                                  or not 0 <= logprobs <= MAX_LOGPROBS):
         raise bad_request(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}")
-    parameters = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos")
-                  if body.get(k) is not None}
+    parameters = {k: body[k] for k in OPENAI_PARAMETERS if body.get(k) is not None}
     max_tokens = body.get("max_tokens")  # 0 is an error, not the default
     parameters["max_new_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     try:

@@ -41,6 +41,8 @@ _PARAMETERS: dict[str, tuple[tuple[type, ...], str]] = {
     "do_sample": ((bool,), "a boolean"), "temperature": ((int, float), "a number"),
     "top_k": ((int,), "an integer"), "top_p": ((int, float), "a number"),
     "repetition_penalty": ((int, float), "a number"), "seed": ((int,), "an integer"),
+    "frequency_penalty": ((int, float), "a number"),
+    "presence_penalty": ((int, float), "a number"),
     "stop_sequences": ((list, str), "a list of strings"),
     "stop": ((list, str), "a list of strings"),
     "ignore_eos_token": ((bool,), "a boolean"), "ignore_eos": ((bool,), "a boolean"),
@@ -144,6 +146,8 @@ def sampling_params(parameters: dict, top_logprobs: int = 0) -> SamplingParams:
             do_sample=do_sample, temperature=float(p.get("temperature", 1.0)),
             top_k=p.get("top_k", 0), top_p=float(p.get("top_p", 1.0)),
             repetition_penalty=float(p.get("repetition_penalty", 1.0)), seed=p.get("seed"),
+            frequency_penalty=float(p.get("frequency_penalty", 0.0)),
+            presence_penalty=float(p.get("presence_penalty", 0.0)),
             stop=tuple(stop), ignore_eos=p.get("ignore_eos_token", p.get("ignore_eos", False)),
             top_logprobs=top_logprobs)
     except RequestError as err:
