@@ -137,3 +137,15 @@ def test_frequency_and_presence_penalties_change_a_repetitive_answer(server) -> 
     assert penalised.text != plain.text
     with pytest.raises(openai.BadRequestError, match="presence_penalty must be between -2"):
         api.chat.completions.create(model=server[1], messages=CHAT, presence_penalty=3)
+
+
+def test_a_completions_body_works_on_invocations(server) -> None:
+    """SageMaker forwards only /invocations: OpenAI's bodies must work there too."""
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+    whole = requests.post(f"{server[0].url}/invocations", json=body, timeout=30)
+    assert whole.status_code == 200 and whole.json()["object"] == "text_completion"
+    v1 = client(server).completions.create(model=server[1], **body)
+    assert whole.json()["choices"][0]["text"] == v1.choices[0].text
+    bad = requests.post(f"{server[0].url}/invocations", json={**body, "max_tokens": 0},
+                        timeout=30)
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["message"]
