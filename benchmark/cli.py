@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmark import constrained, load_memory
+from benchmark import constrained, load_memory, model_impl
 from benchmark.loadgen import LoadPlan
 from benchmark.options import (
     add_load_options,
@@ -107,13 +107,15 @@ def main(argv: list[str] | None = None) -> int:
 
     load_memory.add_parser(sub)
     constrained.add_parsers(sub)
+    model_impl.add_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     commands = {"load": _load, "sweep": _sweep, "peers": _peers, "plot": _plot,
                 "stall": _stall, "decode": _decode, "profile": _profile,
                 "random-model": _random_model, "load-memory": load_memory.run,
-                "grammar-masks": constrained.grammar_masks, "constrained": constrained.constrained}
+                "grammar-masks": constrained.grammar_masks, "constrained": constrained.constrained,
+                "model-impl": model_impl.run}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message

@@ -13,6 +13,7 @@ from engine.config import (
     DEVICES,
     DTYPES,
     LINEAR_BACKENDS,
+    MODEL_IMPLS,
     QUANTIZATIONS,
     EngineConfig,
 )
@@ -26,7 +27,7 @@ from engine.sequence import FinishReason
 
 __all__ = [
     "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "DEVICES", "DTYPES", "LINEAR_BACKENDS",
-    "MAX_TOP_LOGPROBS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
+    "MAX_TOP_LOGPROBS", "MODEL_IMPLS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
     "EngineClient", "EngineConfig", "EngineDeadError", "FinishReason", "Gauges",
     "GenerationRequest", "LLMEngine", "QueueFullError", "RequestError", "RequestHandle",
     "SamplingParams", "StepStats", "TokenEvent",

@@ -12,6 +12,9 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "reference", "flex", "cpu_paged")
 # auto: packed CPU matmuls, our tiled kernel then oneDNN, else aten (engine/models/linear.py).
 LINEAR_BACKENDS = ("auto", "tiled", "onednn", "aten")
+# Who implements the model (vLLM's --model-impl): batchyard's native modules where the
+# architecture has them, or transformers' own modules on batchyard's KV pool.
+MODEL_IMPLS = ("auto", "native", "transformers")
 # Weight-only quantization applied at load (engine/models/int8_linear.py).
 QUANTIZATIONS = ("int8",)
 
@@ -58,6 +61,9 @@ class EngineConfig:
     collective_timeout_s: float = 60.0
     seed: int = 0
     trust_remote_code: bool = False
+    # auto: native when the architecture has a native implementation, else the transformers
+    # fallback; native: refuse other architectures; transformers: the fallback for any.
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.batching in BATCHING_STRATEGIES, "batching", self.batching,
@@ -83,6 +89,8 @@ class EngineConfig:
                "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1, or -1 (all)")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
                "> 0 seconds")
+        _check(self.model_impl in MODEL_IMPLS, "model_impl", self.model_impl,
+               f"one of {', '.join(MODEL_IMPLS)}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a fraction in (0, 1]")
 

@@ -52,7 +52,8 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     the start-up checks of attention, packed matmuls and decode graphs."""
     shard = shard or Shard()
     dtype = resolve_dtype(config.dtype, device)
-    model, spec = load_model(config.model, dtype, device, shard, comm)
+    model, spec = load_model(config.model, dtype, device, shard, comm, config.trust_remote_code,
+                             config.model_impl)
     pack_model_linears(model, config, device, dtype)
     max_model_len = _max_model_len(config, spec.max_position_embeddings)
     budget = default_budget_bytes(device.type, config.gpu_memory_utilization)
@@ -67,7 +68,8 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
         ops = fused_ops_for(model, dtype, runner.attention.name)
         model.use_fused_cpu_ops(ops)
         runner.sampler.greedy = ops.greedy if ops is not None else None
-    graphs = prepare_decode_graphs(runner, config.enforce_eager, config.max_num_seqs,
+    eager = config.enforce_eager or not getattr(model, "graph_safe", True)
+    graphs = prepare_decode_graphs(runner, eager, config.max_num_seqs,
                                    max_model_len, config.padded_decode_on_cpu)
     # a collective, so every rank asks, whatever its own answer
     if comm is not None and not comm.agree_all(graphs) and graphs:

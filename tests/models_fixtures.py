@@ -8,8 +8,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    GemmaConfig,
+    GPT2Config,
+    GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    OPTConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -37,6 +42,12 @@ ARCH_CONFIGS = {
     "mistral": (MistralConfig, {"num_key_value_heads": 2, "sliding_window": 12}),
     "qwen2": (Qwen2Config, {"num_key_value_heads": 2}),
     "qwen3": (Qwen3Config, {"num_key_value_heads": 2, "head_dim": 16}),
+    # not native: served through the transformers fallback (engine/models/hf_fallback.py)
+    "gpt_neox": (GPTNeoXConfig, {}),
+    "opt": (OPTConfig, {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "phi3": (Phi3Config, {"num_key_value_heads": 2}),
+    "gemma": (GemmaConfig, {"num_key_value_heads": 1, "head_dim": 16}),
+    "gpt2": (GPT2Config, {}),
 }
 
 

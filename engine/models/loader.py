@@ -58,7 +58,8 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               shard: Shard | None = None, comm: Collectives | None = None):
+               shard: Shard | None = None, comm: Collectives | None = None,
+               trust_remote_code: bool = False, model_impl: str = "auto"):
     """Build the native model for the folder's architecture (this rank's shard of it); returns
     (model, ModelSpec of what this rank holds).
 
@@ -67,9 +68,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     never holds a full-precision copy of the model, nor more than one tensor beyond it."""
     config = read_config(model_dir)
     arch = (config.get("architectures") or ["?"])[0]
-    if arch not in NATIVE_ARCHITECTURES:
-        raise ValueError(f"architecture {arch} is not supported natively; supported: "
-                         f"{', '.join(sorted(NATIVE_ARCHITECTURES))}")
+    if arch not in NATIVE_ARCHITECTURES and model_impl == "native":
+        raise ValueError(f"architecture {arch} is not supported natively (model_impl=native); "
+                         f"native: {', '.join(sorted(NATIVE_ARCHITECTURES))}")
+    if arch not in NATIVE_ARCHITECTURES or model_impl == "transformers":
+        return _load_fallback(model_dir, config, arch, dtype, device, shard, trust_remote_code)
     model_cls = _FAMILIES[NATIVE_ARCHITECTURES[arch]]
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
@@ -80,6 +83,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model.eval()
     logger.info("loaded %s (%.1f M parameters on this rank) from %s as %s on %s", arch,
                 sum(p.numel() for p in model.parameters()) / 1e6, model_dir, dtype, device)
+    return model, model.spec
+
+
+def _load_fallback(model_dir: str | Path, config: dict, arch: str, dtype: torch.dtype,
+                   device: torch.device, shard: Shard | None, trust_remote_code: bool):
+    """Not native: transformers' own modules on our KV pool (engine/models/hf_fallback.py)."""
+    from engine.models.hf_fallback import load_fallback
+
+    if shard is not None and not shard.is_whole:
+        raise ValueError(f"architecture {arch} runs through the transformers fallback, which has "
+                         "no tensor parallelism; natively sharded: "
+                         f"{', '.join(sorted(NATIVE_ARCHITECTURES))}")
+    checkpoint_files(model_dir)  # safetensors only, with the same message
+    model = load_fallback(model_dir, config, dtype, device, trust_remote_code)
     return model, model.spec
 
 

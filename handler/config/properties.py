@@ -35,7 +35,7 @@ ENGINE_KEYS = {
     "enable_prefix_caching", "gpu_memory_utilization", "num_kv_blocks", "kv_cache_memory",
     "device", "max_request_size", "seed", "attention_backend", "linear_backend",
     "enforce_eager", "engine_process", "entryPoint", "handler", "input_formatter",
-    "output_formatter", "tgi_compat", "quantize", "drain_timeout",
+    "output_formatter", "tgi_compat", "quantize", "drain_timeout", "model_impl",
 } | ROLLING_KEYS
 # LMI's camelCase keys; env names arrive lower-cased (OPTION_ENTRYPOINT → option.entrypoint).
 CAMEL_CASE = {k.lower(): k for k in ("entryPoint", "maxWorkers", "minWorkers")}

@@ -11,6 +11,7 @@ from engine import (
     ATTENTION_BACKENDS,
     DEVICES,
     LINEAR_BACKENDS,
+    MODEL_IMPLS,
     NATIVE_ARCHITECTURES,
     QUANTIZATIONS,
     EngineConfig,
@@ -69,6 +70,8 @@ class ServingConfig:
                  f"engine_process={self.engine_process}"]
         if e.quantize:
             parts.append(f"quantize={e.quantize}")
+        if e.model_impl != "auto":
+            parts.append(f"model_impl={e.model_impl}")
         if e.batching == "dynamic":
             parts.append(f"max_batch_delay={e.max_batch_delay_ms:g}ms")
         if e.batching == "paged":
@@ -132,7 +135,8 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
             quantize=read_quantize(r),
             tensor_parallel_size=read_tensor_parallel(r),
             seed=r.integer("option.seed", 0, 0),
-            trust_remote_code=r.flag("option.trust_remote_code", False))
+            trust_remote_code=r.flag("option.trust_remote_code", False),
+            model_impl=r.choice("option.model_impl", "auto", set(MODEL_IMPLS)))
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise

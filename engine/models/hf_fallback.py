@@ -1,0 +1,163 @@
+"""Any transformers decoder on batchyard's KV pool: the model runs as transformers builds it, and
+its attention calls reach our paged attention through transformers' attention interface.
+
+Each step packs every scheduled token into one row (batch 1, N tokens, their own positions);
+transformers computes embeddings, RoPE or learned positions, norms and MLPs, and at each layer
+hands our registered attention function the new tokens' q, k, v. That function writes k and v
+into the pool at the step's slots and attends with the runner's backend over each sequence's
+pages, so continuous and paged batching, chunked prefill, preemption and prefix caching work
+as for native models. Start-up probes the model once: every layer must call the interface with
+a layer index and the same KV shape, and without soft-capping or a per-layer sliding window
+(which our backends do not implement); otherwise the model is refused with the reason."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AutoModelForCausalLM
+
+from engine.attention.reference import AttentionMetadata, store_kv
+from engine.models.linear import pack_linears
+from engine.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+ATTENTION = "batchyard_paged"
+_STEP = "batchyard_step"  # the kwarg that carries (metadata, kv pool) through transformers
+_PROBE = "batchyard_probe"  # the kwarg of start-up's probe: a list each layer reports into
+
+
+def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask, scaling: float | None = None,
+                     dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """query [1, H, N, D], key and value [1, Hkv, N, D] of the packed tokens → [1, N, H, D]."""
+    probe = kwargs.get(_PROBE)
+    if probe is not None:
+        probe.append((getattr(module, "layer_idx", None), (query.shape[1], *key.shape[1:2],
+                                                             key.shape[3]),
+                      kwargs.get("softcap"), kwargs.get("sliding_window")))
+        return query.transpose(1, 2), None
+    meta, kv_cache = kwargs[_STEP]
+    layer = kv_cache[module.layer_idx]
+    q = query[0].transpose(0, 1).contiguous()  # [N, H, D]
+    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer[0], layer[1],
+             meta.slot_mapping)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return meta.backend.forward(q, layer[0], layer[1], meta, scale).unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION, _paged_attention)
+
+
+class TransformersModel(nn.Module):
+    """A transformers CausalLM behind the native models' interface: forward() → hidden states,
+    compute_logits() → float32 logits."""
+
+    graph_safe = False  # transformers' Python per step: decode runs eagerly, no CUDA graphs
+
+    def __init__(self, hf_model: nn.Module, spec: ModelSpec) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.spec = spec
+        config = hf_model.config
+        # What CausalLM.forward does to the head's output in the families that do anything
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.logit_scale = getattr(config, "logit_scale", None)  # Cohere: multiplies
+        self.logits_scaling = getattr(config, "logits_scaling", None)  # Granite: divides
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [N] → hidden [N, hidden]."""
+        out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None],
+                                 use_cache=False, **{_STEP: (meta, kv_cache)})
+        return out.last_hidden_state[0]
+
+    def pack_linears(self, backend: str, batch_hint: int) -> int:
+        """transformers' nn.Linear layers through a packed CPU backend (engine.models.linear);
+        its other layer types (e.g. GPT-2's Conv1D) stay as they are."""
+        if backend == "int8":
+            raise ValueError("invalid quantize='int8': needs a native model (Llama, Mistral, "
+                             "Qwen2, Qwen3), not the transformers fallback")
+        return pack_linears(self.hf, backend, batch_hint)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.hf.get_output_embeddings()(hidden)  # [S, vocab]
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
+
+
+def load_fallback(model_dir: str | Path, config: dict, dtype: torch.dtype,
+                  device: torch.device, trust_remote_code: bool) -> TransformersModel:
+    """Load the folder with transformers (safetensors only) and check it fits our KV pool."""
+    arch = (config.get("architectures") or ["?"])[0]
+    refuse_unservable(arch, config, trust_remote_code)
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=ATTENTION, use_safetensors=True,
+        local_files_only=True, trust_remote_code=trust_remote_code, device_map=device)
+    hf.eval()
+    model = TransformersModel(hf, _probe_spec(hf, arch))
+    logger.info("%s runs through the transformers fallback (not a native architecture: "
+                "transformers' modules, batchyard's KV pool and attention; no fused CPU "
+                "kernels, CUDA graphs or tensor parallelism)", arch)
+    return model
+
+
+def refuse_unservable(arch: str, config: dict, trust_remote_code: bool) -> None:
+    """ValueError naming the architecture for what a decoder-only text engine cannot serve."""
+    if config.get("is_encoder_decoder"):
+        raise ValueError(f"architecture {arch} is an encoder-decoder model; batchyard serves "
+                         "decoder-only causal LMs (use a seq2seq server such as TGI for it)")
+    if "vision_config" in config or "audio_config" in config:
+        raise ValueError(f"architecture {arch} takes images or audio; batchyard serves text-only "
+                         "decoders (serve its language model alone, or use vLLM for it)")
+    if config.get("auto_map") and not trust_remote_code:
+        raise ValueError(f"architecture {arch} needs the model folder's own code "
+                         "(auto_map in config.json); set option.trust_remote_code=true if you "
+                         "trust that code")
+
+
+@torch.inference_mode()
+def _probe_spec(hf: nn.Module, arch: str) -> ModelSpec:
+    """Run one token with the probe kwarg: each layer reports its index, KV shape and the
+    attention features it asks for."""
+    reports: list = []
+    device = next(hf.parameters()).device
+    try:
+        hf.base_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                      position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                      use_cache=False, **{_PROBE: reports})
+    except Exception as err:  # noqa: BLE001 - e.g. a family that picks its own attention
+        raise ValueError(f"architecture {arch} does not run through transformers' attention "
+                         f"interface ({type(err).__name__}: {err}); it cannot be served") from err
+    config = hf.config
+    layers = config.num_hidden_layers
+    if sorted(r[0] for r in reports if r[0] is not None) != list(range(layers)):
+        raise ValueError(f"architecture {arch}: its attention layers do not all go through "
+                         "transformers' attention interface with a layer index")
+    windows = {r[3] for r in reports}
+    if any(r[2] for r in reports) or len(windows) > 1:
+        raise ValueError(f"architecture {arch} uses attention soft-capping or mixes full and "
+                         "sliding-window layers, which batchyard's attention does not implement")
+    shapes = {r[1] for r in reports}
+    if len(shapes) != 1:
+        raise ValueError(f"architecture {arch} has layers of different attention shapes {shapes}")
+    [(heads, kv_heads, head_dim)] = shapes
+    vocab = hf.get_output_embeddings().weight.shape[0]
+    return ModelSpec(arch, layers, config.hidden_size, heads, kv_heads, head_dim, vocab,
+                     _max_positions(config), windows.pop())
+
+
+def _max_positions(config) -> int:
+    for name in ("max_position_embeddings", "n_positions", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
