@@ -81,7 +81,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model.init_rope()
     read_weights(model, files)
     model.eval()
-    logger.info("loaded %s (%.1f M parameters on this rank) from %s as %s on %s", arch,
+    logger.info("loaded %s natively (%.1f M parameters on this rank) from %s as %s on %s", arch,
                 sum(p.numel() for p in model.parameters()) / 1e6, model_dir, dtype, device)
     return model, model.spec
 
