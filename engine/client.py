@@ -55,6 +55,8 @@ class EngineClient:
               max_queued: int, on_step: Callable[[StepStats], None] | None) -> None:
         # The loop's output thread detokenizes with `tokenizer`; callers borrow copies.
         self._tokenizers = TokenizerPool(tokenizer)
+        template = tokenizer.chat_template
+        self._template_takes_tools = isinstance(template, str) and "tools" in template
         self._limits = limits
         self.max_prompt_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
         self._loop = EngineLoop(core, tokenizer, config.max_num_seqs, max_queued, on_step)
@@ -79,8 +81,7 @@ class EngineClient:
     @property
     def template_takes_tools(self) -> bool:
         """The chat template renders `tools` itself (else the caller describes them)."""
-        with self._tokenizers.borrow() as tokenizer:
-            return "tools" in (tokenizer.chat_template or "")
+        return self._template_takes_tools
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The model's chat template applied (with `tools` when given), ready to generate the
