@@ -17,6 +17,7 @@ from engine.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
+from engine.guided import GuidedSpec, check_spec
 from engine.inputs import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineDeadError, QueueFullError, RequestHandle
@@ -29,6 +30,6 @@ __all__ = [
     "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "DEVICES", "DTYPES", "LINEAR_BACKENDS",
     "MAX_TOP_LOGPROBS", "MODEL_IMPLS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
     "EngineClient", "EngineConfig", "EngineDeadError", "FinishReason", "Gauges",
-    "GenerationRequest", "LLMEngine", "QueueFullError", "RequestError", "RequestHandle",
-    "SamplingParams", "StepStats", "TokenEvent",
+    "GenerationRequest", "GuidedSpec", "LLMEngine", "QueueFullError", "RequestError",
+    "RequestHandle", "SamplingParams", "StepStats", "TokenEvent", "check_spec",
 ]

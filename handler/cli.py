@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -115,28 +114,15 @@ def _has_handler(settings) -> bool:
 
 def _s3_config(settings, model_id: str, model_dir: Path, cache_dir: Path | None, environ):
     """An s3:// model not downloaded yet: its config.json is not read at start-up (that would
-    delay binding the port by a network round trip, or fail it). Only option.rolling_batch=auto
-    depends on the architecture; it is resolved as for a native one, since the engine loads
-    nothing else, and the downloaded config.json is checked before the engine is built."""
-    from engine import NATIVE_ARCHITECTURES
+    delay binding the port by a network round trip, or fail it). Nothing in the configuration
+    depends on it: option.rolling_batch=auto is paged for every architecture."""
     from handler.config.serving_config import build_serving_config
     from handler.model_source.s3 import download_model
 
-    config = build_serving_config(settings, model_dir, sorted(NATIVE_ARCHITECTURES))
-    rolling = settings.get("option.rolling_batch")
-    auto = rolling is not None and rolling.value.strip().lower() == "auto"
-    if auto:
-        config = dataclasses.replace(config, strategy_reason=config.strategy_reason + (
-            f" (assumed until {model_id} is downloaded, checked then)"))
+    config = build_serving_config(settings, model_dir, [])  # the architecture: not known yet
 
     def prepare() -> Path:
-        path = download_model(model_id, cache_dir, environ)
-        architectures = json.loads((path / "config.json").read_text()).get("architectures", [])
-        if auto and not any(a in NATIVE_ARCHITECTURES for a in architectures):
-            raise ValueError(f"{model_id} holds {architectures or 'no architecture'}: "
-                             "option.rolling_batch=auto was resolved for a native architecture "
-                             f"({', '.join(sorted(NATIVE_ARCHITECTURES))}) before the download")
-        return path
+        return download_model(model_id, cache_dir, environ)
 
     return config, prepare
 

@@ -67,7 +67,7 @@ def test_tgi_aliases_apply_only_when_lmi_variable_unset() -> None:
     ("option.rolling_batch=lmi-dist\noption.paged_attention=false", LLAMA, "continuous"),
     ("option.rolling_batch=paged", LLAMA, "paged"),
     ("option.rolling_batch=auto", LLAMA, "paged"),
-    ("option.rolling_batch=auto", ["GPT2LMHeadModel"], "none"),
+    ("option.rolling_batch=auto", ["GPT2LMHeadModel"], "paged"),  # the transformers fallback
 ])
 def test_strategy_selection(text, arch, strategy) -> None:
     assert resolve(text, arch=arch).engine.batching == strategy

@@ -185,7 +185,7 @@ def test_resolve_config_defers_the_download_and_the_architecture(s3, tiny_model,
     config, prepare = resolve_config(args, environ)
     assert len(s3.requests) == served, "start-up must not touch the network"
     assert config.engine.model == str(s3_cache_dir(uri, tmp_path / "cache"))
-    assert config.engine.batching == "paged" and "assumed until" in config.strategy_reason
+    assert config.engine.batching == "paged" and "after the download" in config.strategy_reason
     assert prepare() == Path(config.engine.model)
     again, prepare_again = resolve_config(args, environ)  # cached: read like a local folder
     assert prepare_again is None and again.engine.batching == "paged"
@@ -217,7 +217,7 @@ def test_server_downloads_in_the_background_then_serves(s3, tiny_model, tmp_path
         body = {"inputs": "Once upon", "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
         answer = requests.post(f"{srv.url}/invocations", json=body, timeout=60)
         assert answer.status_code == 200 and "generated_text" in answer.json()
-        assert "assumed until" in srv.log() and "downloaded" in srv.log()
+        assert "after the download" in srv.log() and "downloaded" in srv.log()
 
 
 @pytest.mark.slow
@@ -256,13 +256,18 @@ def test_model_store_resolves_an_s3_id_to_its_cache_folder_without_network(s3, t
     assert len(s3.requests) == served and not got.exists()
 
 
-def test_auto_strategy_assumption_is_checked_after_the_download(s3, tiny_model, tmp_path) -> None:
+def test_auto_strategy_is_paged_whatever_the_downloaded_architecture(s3, tiny_model,
+                                                                    tmp_path) -> None:
+    """option.rolling_batch=auto does not wait for config.json: every architecture runs paged
+    (natively or through the transformers fallback)."""
     config = json.loads((tiny_model / "config.json").read_text())
     uri = s3.upload(tiny_model, "foreign/gpt2", extra={
         "config.json": json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}).encode()})
     props = tmp_path / "serving.properties"
     props.write_text(f"option.model_id={uri}\n{PAGED}")
     environ = {**env_for(s3), "BATCHYARD_CACHE_DIR": str(tmp_path / "cache")}
-    _, prepare = resolve_config(argparse.Namespace(properties=props, model_dir=None), environ)
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*resolved for a native architecture"):
-        prepare()
+    config, prepare = resolve_config(argparse.Namespace(properties=props, model_dir=None),
+                                     environ)
+    assert config.engine.batching == "paged"
+    path = prepare()
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]

@@ -99,9 +99,12 @@ def select_strategy(r: Reader, batch_size: int, architectures: list[str]) -> tup
         return "continuous", why + " with option.paged_attention=false"
     if rolling in PAGED_VALUES:
         return "paged", why
-    if any(a in NATIVE_ARCHITECTURES for a in architectures):
-        return "paged", why + " on a native architecture"
-    return "none", why + f" on {architectures or 'an unknown architecture'}: not native"
+    # every decoder runs paged: natively, or through the transformers fallback
+    if not architectures:
+        return "paged", why + ": paged serves any architecture (read after the download)"
+    how = ("natively" if any(a in NATIVE_ARCHITECTURES for a in architectures)
+           else "through the transformers fallback")
+    return "paged", why + f": paged serves {architectures[0]} {how}"
 
 
 def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 
-from engine import RequestError
-from engine.guided import GuidedSpec, check_spec
+from engine import GuidedSpec, RequestError, check_spec
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 STRUCTURED_FIELDS = (*GUIDED_FIELDS, "response_format")

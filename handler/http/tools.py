@@ -13,8 +13,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from engine import RequestError
-from engine.guided import GuidedSpec, check_spec
+from engine import GuidedSpec, RequestError, check_spec
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 64
