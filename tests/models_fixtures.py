@@ -8,6 +8,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GemmaConfig,
     GPT2Config,
     GPTNeoXConfig,
@@ -48,6 +50,11 @@ ARCH_CONFIGS = {
     "phi3": (Phi3Config, {"num_key_value_heads": 2}),
     "gemma": (GemmaConfig, {"num_key_value_heads": 1, "head_dim": 16}),
     "gpt2": (GPT2Config, {}),
+    # logit soft-capping on every layer, a sliding window on every other one
+    "gemma2": (Gemma2Config, {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 6}),
+    # a sliding layer (its own RoPE base) and a full one, no soft-capping
+    "gemma3": (Gemma3TextConfig, {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 6,
+                                  "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from engine.attention.explicit import explicit_attention
 from engine.attention.flex import FlexAttention
 from engine.attention.reference import (
     AttentionBackend,
@@ -233,3 +234,26 @@ def test_flex_on_gpu_compiles_at_start_up_not_while_serving(tmp_path) -> None:
                 greedy(rng.randrange(1, 12)), rng.randrange(0, 8)) for i in range(20)]
     drive(engine, reqs)
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled while serving"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-w{c[1]}-shared{c[3]}")
+def test_explicit_attention_matches_reference_and_applies_a_layer_window(case) -> None:
+    """The transformers fallback's explicit path (soft-capping, per-layer windows) equals the
+    reference without a cap, with the step's window or with a layer window of its own."""
+    block_size, window, shapes, shared = case
+    seed = CASES.index(case)
+    torch.manual_seed(seed)
+    k, v = random_pool(torch.device("cpu"), torch.float32)
+    with torch.inference_mode():
+        meta = prepare(block_size, window, shapes, shared, None, torch.device("cpu"), seed)
+        q = torch.randn(meta.slot_mapping.numel(), HEADS, HEAD_DIM)
+        want = reference_attention(q, k, v, meta, 0.3)
+        got = explicit_attention(q, k, v, meta, 0.3, None, window)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        if window is None:  # a layer window where the step has none: the step with one
+            windowed = prepare(block_size, 5, shapes, shared, None, torch.device("cpu"), seed)
+            torch.testing.assert_close(explicit_attention(q, k, v, meta, 0.3, None, 5),
+                                       reference_attention(q, k, v, windowed, 0.3),
+                                       atol=1e-5, rtol=0)
+        capped = explicit_attention(q, k, v, meta, 0.3, 0.5, window)  # scores within ±0.5
+        assert not torch.allclose(capped, got) and torch.isfinite(capped).all()

@@ -1,7 +1,8 @@
 """The transformers fallback: architectures batchyard has no native modules for run as
 transformers builds them, on batchyard's KV pool. Greedy output equals transformers `generate`
 token for token in every strategy (preemption and prefix caching forced in paged), streamed
-through a real server too; what cannot be served is refused at load, naming the architecture."""
+through a real server too, Gemma 2's soft-capping and per-layer windows included; what cannot be
+served is refused at load, naming the architecture."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def fixture_for(arch: str):
 
 neox = fixture_for("gpt_neox")
 opt = fixture_for("opt")
+gemma2 = fixture_for("gemma2")  # soft-capping, and a sliding window on every other layer
 
 
-@pytest.mark.parametrize("family", ["neox", "opt"])
+@pytest.mark.parametrize("family", ["neox", "opt", "gemma2"])
 @pytest.mark.parametrize(("batching", "overrides"), STRATEGIES,
                          ids=[f"{b}-{i}" for i, (b, _) in enumerate(STRATEGIES)])
 def test_fallback_greedy_equals_generate(request, family, batching, overrides) -> None:
@@ -59,13 +61,13 @@ def test_fallback_greedy_equals_generate(request, family, batching, overrides) -
     assert [r.tokens for r in reqs] == refs
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma", "gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma", "gemma3", "gpt2", "llama"])
 def test_more_families_and_a_forced_llama(tmp_path, arch) -> None:
-    """Phi-3, Gemma and GPT-2 through the fallback; a Llama too with model_impl=transformers,
-    equal to its native run."""
+    """Phi-3, Gemma, Gemma 3 (a sliding and a full layer) and GPT-2 through the fallback; a
+    Llama too with model_impl=transformers."""
     path = build_tiny_model(tmp_path, arch=arch)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = [[5, 9, 40, 7], list(range(20, 45))]
+    prompts = [[5, 9, 40, 7], list(range(20, 45))]  # longer than the Gemma windows (6)
     refs = [hf_greedy(model, p, 9) for p in prompts]
     reqs = [Req(f"r{i}", p, greedy(9)) for i, p in enumerate(prompts)]
     drive(make_engine(path, "paged", model_impl="transformers"), reqs)
@@ -118,21 +120,6 @@ def test_native_only_features_are_refused_for_the_fallback(tmp_path, arch, overr
     path = build_tiny_model(tmp_path, arch=arch)
     with pytest.raises(ValueError, match=message):
         make_engine(path, "paged", **overrides)
-
-
-def test_soft_capping_models_are_refused(tmp_path) -> None:
-    """Gemma 2's attention soft-capping is not in batchyard's attention: refused, not wrong."""
-    from transformers import Gemma2Config
-
-    config = Gemma2Config(vocab_size=320, hidden_size=64, intermediate_size=128,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, max_position_embeddings=256)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    build_tiny_model(tmp_path / "tok")  # a tokenizer beside it
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((tmp_path / "tok" / name).read_bytes())
-    with pytest.raises(ValueError, match="soft-capping"):
-        make_engine(tmp_path, "paged")
 
 
 def test_sampled_and_guided_requests_work_on_the_fallback(neox) -> None:

@@ -6,9 +6,10 @@ transformers computes embeddings, RoPE or learned positions, norms and MLPs, and
 hands our registered attention function the new tokens' q, k, v. That function writes k and v
 into the pool at the step's slots and attends with the runner's backend over each sequence's
 pages, so continuous and paged batching, chunked prefill, preemption and prefix caching work
-as for native models. Start-up probes the model once: every layer must call the interface with
-a layer index and the same KV shape, and without soft-capping or a per-layer sliding window
-(which our backends do not implement); otherwise the model is refused with the reason."""
+as for native models. A layer that asks for logit soft-capping or a sliding window of its own
+(Gemma 2/3) attends explicitly (engine/attention/explicit.py). Start-up probes the model once:
+every layer must call the interface with a layer index and the same KV shape; otherwise the
+model is refused with the reason."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM
 
+from engine.attention.explicit import explicit_attention
 from engine.attention.reference import AttentionMetadata, store_kv
 from engine.models.linear import pack_linears
 from engine.models.spec import ModelSpec
@@ -40,13 +42,18 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                                              key.shape[3]),
                       kwargs.get("softcap"), kwargs.get("sliding_window")))
         return query.transpose(1, 2), None
-    meta, kv_cache = kwargs[_STEP]
+    meta, kv_cache, model_window = kwargs[_STEP]
     layer = kv_cache[module.layer_idx]
     q = query[0].transpose(0, 1).contiguous()  # [N, H, D]
     store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer[0], layer[1],
              meta.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return meta.backend.forward(q, layer[0], layer[1], meta, scale).unsqueeze(0), None
+    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
+    if softcap is not None or window != model_window:  # what the backends do not take
+        out = explicit_attention(q, layer[0], layer[1], meta, scale, softcap, window)
+    else:  # the step's masks already hold the model-wide window, if any
+        out = meta.backend.forward(q, layer[0], layer[1], meta, scale)
+    return out.unsqueeze(0), None
 
 
 AttentionInterface.register(ATTENTION, _paged_attention)
@@ -72,7 +79,8 @@ class TransformersModel(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [N] → hidden [N, hidden]."""
         out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None],
-                                 use_cache=False, **{_STEP: (meta, kv_cache)})
+                                 use_cache=False,
+                                 **{_STEP: (meta, kv_cache, self.spec.sliding_window)})
         return out.last_hidden_state[0]
 
     def pack_linears(self, backend: str, batch_hint: int) -> int:
@@ -142,17 +150,14 @@ def _probe_spec(hf: nn.Module, arch: str) -> ModelSpec:
     if sorted(r[0] for r in reports if r[0] is not None) != list(range(layers)):
         raise ValueError(f"architecture {arch}: its attention layers do not all go through "
                          "transformers' attention interface with a layer index")
-    windows = {r[3] for r in reports}
-    if any(r[2] for r in reports) or len(windows) > 1:
-        raise ValueError(f"architecture {arch} uses attention soft-capping or mixes full and "
-                         "sliding-window layers, which batchyard's attention does not implement")
+    windows = {r[3] for r in reports}  # one for every layer: the step's masks apply it
     shapes = {r[1] for r in reports}
     if len(shapes) != 1:
         raise ValueError(f"architecture {arch} has layers of different attention shapes {shapes}")
     [(heads, kv_heads, head_dim)] = shapes
     vocab = hf.get_output_embeddings().weight.shape[0]
     return ModelSpec(arch, layers, config.hidden_size, heads, kv_heads, head_dim, vocab,
-                     _max_positions(config), windows.pop())
+                     _max_positions(config), windows.pop() if len(windows) == 1 else None)
 
 
 def _max_positions(config) -> int:

@@ -1,0 +1,61 @@
+"""Attention with the score computed explicitly: logit soft-capping (Gemma 2) and a sliding
+window of the layer's own (models that mix full and sliding-window layers, Gemma 2/3), neither
+of which SDPA or batchyard's kernels take. Same pool, pages and metadata as the reference; slower
+(the scores are materialised), so only the transformers fallback's layers that need it use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.reference import AttentionMetadata, gather_pages
+
+
+def explicit_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, softcap: float | None,
+                       window: int | None) -> torch.Tensor:
+    """q [N, H, D] → out [N, H, D]; keys at positions > query position - window are visible
+    (transformers' convention), every earlier one when window is None."""
+    out = torch.empty_like(q)
+    g = meta.page_size
+    if meta.decode_token_idx is not None:
+        rows = meta.decode_token_idx
+        keys = gather_pages(k_cache, meta.decode_pages, g)  # [B, T, Hkv, D]
+        values = gather_pages(v_cache, meta.decode_pages, g)
+        k_pos = torch.arange(keys.shape[1], device=q.device)[None, :]  # [1, T]
+        q_pos = meta.decode_ctx[:, None] - 1  # [B, 1]
+        visible = _visible(q_pos, k_pos, window)[:, None, None, :]  # [B, 1, 1, T]
+        out[rows] = _attend(q[rows][:, :, None], keys, values, visible, scale, softcap)[:, :, 0]
+    for row in meta.prefills:
+        end = row.token_start + row.num_tokens
+        keys = gather_pages(k_cache, row.kv_pages, g)[:row.context_len][None]  # [1, T, Hkv, D]
+        values = gather_pages(v_cache, row.kv_pages, g)[:row.context_len][None]
+        k_pos = torch.arange(row.context_len, device=q.device)[None, :]
+        q_pos = torch.arange(row.context_len - row.num_tokens, row.context_len,
+                             device=q.device)[:, None]  # [n, 1]
+        visible = _visible(q_pos, k_pos, window)[None, None]  # [1, 1, n, T]
+        queries = q[row.token_start:end].transpose(0, 1)[None]  # [1, H, n, D]
+        out[row.token_start:end] = _attend(queries, keys, values, visible, scale,
+                                           softcap)[0].transpose(0, 1)
+    return out
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    return visible
+
+
+def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            visible: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """queries [B, H, n, D]; keys, values [B, T, Hkv, D]; visible broadcast to [B, H, n, T]
+    → [B, H, n, D], in float32."""
+    heads, kv_heads = queries.shape[1], keys.shape[2]
+    k = keys.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1).float()  # [B, H, T, D]
+    v = values.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1).float()
+    scores = queries.float() @ k.transpose(-1, -2) * scale  # [B, H, n, T]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).to(queries.dtype)
