@@ -132,3 +132,32 @@ def test_sampled_and_guided_requests_work_on_the_fallback(neox) -> None:
                                                guided=GuidedSpec("regex", "[0-9]{3}")))]
     drive(engine, reqs)
     assert len(reqs[0].tokens) == 8 and engine.tokenizer.decode(reqs[1].tokens).isdigit()
+
+
+def gpt_oss():
+    from transformers import GptOssConfig
+
+    return GptOssConfig(vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=256)
+
+
+def jamba():
+    from transformers import JambaConfig
+
+    return JambaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                       attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                       num_experts=2, mamba_d_state=8, mamba_expand=2)
+
+
+@pytest.mark.parametrize(("make_config", "message"), [
+    (gpt_oss, "GptOssForCausalLM passes its attention s_aux"),  # attention sinks
+    (jamba, "JambaForCausalLM keeps a recurrent state"),  # Mamba layers
+])
+def test_what_the_paged_attention_would_get_wrong_is_refused(tmp_path, make_config,
+                                                              message) -> None:
+    build_tiny_model(tmp_path)  # the tokenizer; the weights are replaced below
+    AutoModelForCausalLM.from_config(make_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        make_engine(tmp_path, "paged")

@@ -30,6 +30,12 @@ logger = logging.getLogger(__name__)
 ATTENTION = "batchyard_paged"
 _STEP = "batchyard_step"  # the kwarg that carries (metadata, kv pool) through transformers
 _PROBE = "batchyard_probe"  # the kwarg of start-up's probe: a list each layer reports into
+# What transformers' attention calls may carry that this path honours (or that changes
+# nothing here); any other input set (attention sinks, position biases, sparse indices, ...)
+# would be dropped silently, so such a model is refused.
+_UNDERSTOOD = {_STEP, _PROBE, "position_ids", "cache_position", "use_cache", "sliding_window",
+               "softcap", "output_attentions", "return_dict", "position_embeddings"}
+_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -38,9 +44,12 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     """query [1, H, N, D], key and value [1, Hkv, N, D] of the packed tokens → [1, N, H, D]."""
     probe = kwargs.get(_PROBE)
     if probe is not None:
+        ignored = sorted(k for k, v in kwargs.items() if v is not None and k not in _UNDERSTOOD)
+        if kwargs.get("is_causal") is False:
+            ignored.append("is_causal=False")
         probe.append((getattr(module, "layer_idx", None), (query.shape[1], *key.shape[1:2],
                                                              key.shape[3]),
-                      kwargs.get("softcap"), kwargs.get("sliding_window")))
+                      kwargs.get("sliding_window"), ignored))
         return query.transpose(1, 2), None
     meta, kv_cache, model_window = kwargs[_STEP]
     layer = kv_cache[module.layer_idx]
@@ -111,7 +120,11 @@ def load_fallback(model_dir: str | Path, config: dict, dtype: torch.dtype,
         model_dir, dtype=dtype, attn_implementation=ATTENTION, use_safetensors=True,
         local_files_only=True, trust_remote_code=trust_remote_code, device_map=device)
     hf.eval()
+    if getattr(hf, "_is_stateful", False):
+        raise ValueError(f"architecture {arch} keeps a recurrent state beside its attention "
+                         "(e.g. Mamba layers); batchyard's KV pool cannot hold it")
     model = TransformersModel(hf, _probe_spec(hf, arch))
+    _check_head(model, arch)
     logger.info("%s runs through the transformers fallback (not a native architecture: "
                 "transformers' modules, batchyard's KV pool and attention; no fused CPU "
                 "kernels, CUDA graphs or tensor parallelism)", arch)
@@ -126,6 +139,9 @@ def refuse_unservable(arch: str, config: dict, trust_remote_code: bool) -> None:
     if "vision_config" in config or "audio_config" in config:
         raise ValueError(f"architecture {arch} takes images or audio; batchyard serves text-only "
                          "decoders (serve its language model alone, or use vLLM for it)")
+    if set(config.get("layer_types") or ()) - _LAYER_TYPES or config.get("attention_chunk_size"):
+        raise ValueError(f"architecture {arch} has layers other than full or sliding-window "
+                         "attention (recurrent, linear or chunked); batchyard cannot serve it")
     if config.get("auto_map") and not trust_remote_code:
         raise ValueError(f"architecture {arch} needs the model folder's own code "
                          "(auto_map in config.json); set option.trust_remote_code=true if you "
@@ -150,7 +166,11 @@ def _probe_spec(hf: nn.Module, arch: str) -> ModelSpec:
     if sorted(r[0] for r in reports if r[0] is not None) != list(range(layers)):
         raise ValueError(f"architecture {arch}: its attention layers do not all go through "
                          "transformers' attention interface with a layer index")
-    windows = {r[3] for r in reports}  # one for every layer: the step's masks apply it
+    ignored = sorted({name for r in reports for name in r[3]})
+    if ignored:
+        raise ValueError(f"architecture {arch} passes its attention {', '.join(ignored)}, "
+                         "which batchyard's attention would ignore; it cannot be served")
+    windows = {r[2] for r in reports}  # one for every layer: the step's masks apply it
     shapes = {r[1] for r in reports}
     if len(shapes) != 1:
         raise ValueError(f"architecture {arch} has layers of different attention shapes {shapes}")
@@ -158,6 +178,27 @@ def _probe_spec(hf: nn.Module, arch: str) -> ModelSpec:
     vocab = hf.get_output_embeddings().weight.shape[0]
     return ModelSpec(arch, layers, config.hidden_size, heads, kv_heads, head_dim, vocab,
                      _max_positions(config), windows.pop() if len(windows) == 1 else None)
+
+
+@torch.inference_mode()
+def _check_head(model: TransformersModel, arch: str) -> None:
+    """compute_logits() must give what the CausalLM's own forward gives (some families scale
+    or cap the head's output in ways this class does not know): checked on a few tokens with
+    transformers' eager attention."""
+    hf = model.hf
+    device = next(hf.parameters()).device
+    ids = torch.arange(3, 7, device=device)[None] % model.spec.vocab_size  # [1, 4]
+    hf.set_attn_implementation("eager")
+    try:
+        want = hf(input_ids=ids, use_cache=False).logits[0].float()  # [4, vocab]
+        hidden = hf.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
+        got = model.compute_logits(hidden)
+    finally:
+        hf.set_attn_implementation(ATTENTION)
+    error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+    if error > 1e-3:
+        raise ValueError(f"architecture {arch} transforms its logits in a way batchyard does "
+                         f"not reproduce (relative difference {error:.1e}); it cannot be served")
 
 
 def _max_positions(config) -> int:
