@@ -12,6 +12,7 @@ from jinja2 import TemplateError
 
 from engine.config import EngineConfig
 from engine.core import ThreadCore
+from engine.guided import GuidedDecoding
 from engine.inputs import GenerationRequest, RequestLimits
 from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.loop import Core, EngineLoop, RequestHandle
@@ -57,6 +58,9 @@ class EngineClient:
         self._tokenizers = TokenizerPool(tokenizer)
         template = tokenizer.chat_template
         self._template_takes_tools = isinstance(template, str) and "tools" in template
+        # Grammars are checked here, with the tokenizer, so that a bad one is the client's 400
+        self._guided = GuidedDecoding(tokenizer, limits.vocab_size, frozenset())
+        self._guided.build_in_background()
         self._limits = limits
         self.max_prompt_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
         self._loop = EngineLoop(core, tokenizer, config.max_num_seqs, max_queued, on_step)
@@ -127,6 +131,8 @@ class EngineClient:
         """Validate every request, then queue them all or none."""
         for request in requests:
             self._limits.validate(request.prompt_token_ids, request.params)
+            if request.params.guided is not None:
+                self._guided.check(request.params.guided)
         return self._loop.submit(requests)
 
     def abort(self, request_id: str) -> None:

@@ -117,22 +117,43 @@ class Constraint:
 
 
 class GuidedDecoding:
-    """The core's side: llguidance's view of the tokenizer (1-2 s for a 50k vocabulary, built
-    on a thread from start-up so that the first guided request does not stall the batch) and
-    compiled matchers cached per spec, copied per sequence."""
+    """llguidance's view of the tokenizer (1-2 s for a 50k vocabulary: built on a thread from
+    start-up, so that the first guided request does not wait for it) and, in the core,
+    compiled matchers cached per spec and copied per sequence. The serving side uses check()
+    to refuse, with the tokenizer, what check_spec() alone lets through."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids) or None
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._failure: str | None = None  # why llguidance cannot use this tokenizer
         self._building: threading.Thread | None = None
+        self._lock = threading.Lock()  # check() runs on many HTTP threads
         self._compiled: OrderedDict[GuidedSpec, llguidance.LLMatcher] = OrderedDict()
+        self._checked: OrderedDict[GuidedSpec, str] = OrderedDict()  # spec → error ("": none)
         self.executor = llguidance.LLExecutor()  # fills a batch's masks on several threads
 
+    def check(self, spec: GuidedSpec) -> None:
+        """RequestError naming spec.field when the grammar does not compile for this tokenizer
+        (e.g. a special token it lacks), or when guided decoding cannot run on it at all."""
+        tokenizer = self._llg_tokenizer(spec.field)
+        with self._lock:
+            error = self._checked.get(spec)
+        if error is None:
+            error = llguidance.LLMatcher.validate_grammar(grammar_text(spec), tokenizer)
+            with self._lock:
+                self._checked[spec] = error
+                if len(self._checked) > 4 * COMPILED_CACHE_SIZE:
+                    self._checked.popitem(last=False)
+        if error:
+            first = error.strip().splitlines()[0][:300]
+            raise RequestError(f"{spec.field} does not compile: {first}", spec.field)
+
     def constraint(self, spec: GuidedSpec) -> Constraint:
-        """A fresh grammar state for one sequence (check `.error` before using it)."""
-        tokenizer = self._llg_tokenizer()
+        """A fresh grammar state for one sequence (check `.error` before using it); raises
+        RequestError when guided decoding cannot run on this tokenizer."""
+        tokenizer = self._llg_tokenizer(spec.field)
         compiled = self._compiled.get(spec)
         if compiled is None:
             compiled = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
@@ -153,16 +174,22 @@ class GuidedDecoding:
     def _build(self) -> None:
         import llguidance.hf
 
-        tokenizer = llguidance.hf.from_tokenizer(
-            self._hf_tokenizer, n_vocab=max(self.vocab_size, len(self._hf_tokenizer)),
-            eos_token=self._eos)
-        self._tokenizer = tokenizer
-        logger.debug("guided decoding: llguidance's tokenizer is ready")
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=max(self.vocab_size, len(self._hf_tokenizer)),
+                eos_token=self._eos)
+        except Exception as err:  # noqa: BLE001 - e.g. a slow (Python) tokenizer
+            self._failure = (f"guided decoding needs a fast (Rust) tokenizer; this model's "
+                             f"cannot be used ({type(err).__name__}: {str(err)[:200]})")
+            logger.warning("%s", self._failure)
 
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._building is not None:
-            self._building.join()
-            self._building = None
-        if self._tokenizer is None:  # not started, or the thread failed (logged): try here
-            self._build()
+    def _llg_tokenizer(self, field: str) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._building is not None:
+                self._building.join()
+                self._building = None
+            if self._tokenizer is None and self._failure is None:  # not started yet
+                self._build()
+        if self._tokenizer is None:
+            raise RequestError(f"{field}: {self._failure}", field)
         return self._tokenizer

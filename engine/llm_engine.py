@@ -136,10 +136,13 @@ class LLMEngine:
     def _constrain(self, request_id: str, seq: Sequence) -> None:
         """Give a guided sequence its grammar state; one that cannot compile against this
         tokenizer ends the request (checked without the tokenizer at the boundary)."""
-        seq.constraint = self.guided.constraint(seq.params.guided)
-        if seq.constraint.error is not None:
-            logger.warning("request %s: its grammar failed: %s", request_id,
-                           seq.constraint.error[:300])
+        try:
+            seq.constraint = self.guided.constraint(seq.params.guided)
+            error = seq.constraint.error
+        except Exception as err:  # noqa: BLE001 - one request's grammar never stops the core
+            error = str(err)
+        if error is not None:
+            logger.warning("request %s: its grammar failed: %s", request_id, error[:300])
             self.scheduler.finish(seq, FinishReason.ERROR)
             self._pending.append(self._output(self._requests[seq.seq_id], None,
                                               error="the grammar failed to compile"))
@@ -198,13 +201,15 @@ class LLMEngine:
         or finished, with token ids only (no text, no stop strings)."""
         self._last_batch = None
         self.phases.start()
-        pending, self._pending = self._pending, []
         batch = self._last_batch = self.scheduler.schedule()
         self.phases.mark("schedule")
         if batch is None:
+            pending, self._pending = self._pending, []
             return pending
         samples = self.runner.run(batch)  # marks prepare, forward and sample
         self.scheduler.postprocess(batch, samples)
+        # taken only now: if the step raised, the next one still reports them
+        pending, self._pending = self._pending, []
         outputs = self._outputs(batch, samples)
         self.phases.mark("postprocess")
         return pending + outputs

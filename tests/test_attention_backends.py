@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import engine.attention.explicit as explicit
 from engine.attention.explicit import explicit_attention
 from engine.attention.flex import FlexAttention
 from engine.attention.reference import (
@@ -237,9 +238,13 @@ def test_flex_on_gpu_compiles_at_start_up_not_while_serving(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-w{c[1]}-shared{c[3]}")
-def test_explicit_attention_matches_reference_and_applies_a_layer_window(case) -> None:
+@pytest.mark.parametrize("budget", [1 << 24, 1], ids=["whole", "query-by-query"])
+def test_explicit_attention_matches_reference_and_applies_a_layer_window(case, budget,
+                                                                         monkeypatch) -> None:
     """The transformers fallback's explicit path (soft-capping, per-layer windows) equals the
-    reference without a cap, with the step's window or with a layer window of its own."""
+    reference without a cap, with the step's window or with a layer window of its own; also
+    when a prefill's queries go in chunks (a score budget of 1: one query at a time)."""
+    monkeypatch.setattr(explicit, "SCORE_BUDGET", budget)
     block_size, window, shapes, shared = case
     seed = CASES.index(case)
     torch.manual_seed(seed)

@@ -63,6 +63,8 @@ def test_streamed_json_equals_the_whole_answer(server) -> None:
 def test_json_object_regex_choice_and_grammar(server) -> None:
     answer = chat(server, response_format={"type": "json_object"}).choices[0].message.content
     assert isinstance(json.loads(answer), dict)
+    anything = chat(server, extra_body={"guided_json": True}).choices[0]  # the schema `true`
+    assert anything.finish_reason == "length" or json.loads(anything.message.content) is not None
     api = server[1]
 
     def complete(**extra) -> str:
@@ -103,10 +105,16 @@ def test_tgi_grammar_and_guided_names_on_invocations(server) -> None:
      "tool_choice names no function"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0]"),
     ({"tools": [WEATHER, WEATHER]}, "distinct function names"),
+    # compiles alone, not with this tokenizer: checked with it before the request is queued
+    ({"guided_grammar": "start: <|no_such_token|>"}, "guided_grammar does not compile"),
+    ({"guided_json": False}, "no answer could match"),
+    ({"guided_json": "[" * 5000}, "nested too deeply"),
+    ({"prompt": "a chat route takes messages"}, "field messages is required"),
 ])
 def test_bad_structured_fields_are_400s_naming_the_field(server, body, field) -> None:
+    base = {} if "prompt" in body else {"messages": ASK}
     r = requests.post(f"{server[0].url}/v1/chat/completions", timeout=30,
-                      json={"messages": ASK, "max_tokens": 5, **body})
+                      json={**base, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
 

@@ -59,6 +59,15 @@ def test_templates_without_tools_get_a_system_message_and_calls_as_text() -> Non
     assert native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
 
 
+def test_the_tools_message_joins_a_system_message_and_says_none_means_text() -> None:
+    chat = parse_chat({"messages": [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Hi"}],
+                       "tools": [WEATHER], "tool_choice": "none"}, wants_stream=False)
+    [system, user] = history(chat.messages, chat.tools, template_takes_tools=False)
+    assert system["content"].startswith("Be brief.\n\nYou can call these tools")
+    assert "Do not call a tool now" in system["content"] and user["content"] == "Hi"
+
+
 def test_bad_tool_calls_in_history_are_refused() -> None:
     with pytest.raises(Exception, match="tool_calls must be"):
         parse_chat({"messages": [{"role": "assistant", "tool_calls": [{"function": {

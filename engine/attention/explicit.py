@@ -10,6 +10,8 @@ import torch
 
 from engine.attention.reference import AttentionMetadata, gather_pages
 
+SCORE_BUDGET = 1 << 24  # float32 scores of one prefill chunk at most (64 MiB)
+
 
 def explicit_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float, softcap: float | None,
@@ -27,16 +29,23 @@ def explicit_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         visible = _visible(q_pos, k_pos, window)[:, None, None, :]  # [B, 1, 1, T]
         out[rows] = _attend(q[rows][:, :, None], keys, values, visible, scale, softcap)[:, :, 0]
     for row in meta.prefills:
-        end = row.token_start + row.num_tokens
-        keys = gather_pages(k_cache, row.kv_pages, g)[:row.context_len][None]  # [1, T, Hkv, D]
-        values = gather_pages(v_cache, row.kv_pages, g)[:row.context_len][None]
-        k_pos = torch.arange(row.context_len, device=q.device)[None, :]
-        q_pos = torch.arange(row.context_len - row.num_tokens, row.context_len,
-                             device=q.device)[:, None]  # [n, 1]
-        visible = _visible(q_pos, k_pos, window)[None, None]  # [1, 1, n, T]
-        queries = q[row.token_start:end].transpose(0, 1)[None]  # [1, H, n, D]
-        out[row.token_start:end] = _attend(queries, keys, values, visible, scale,
-                                           softcap)[0].transpose(0, 1)
+        keys = gather_pages(k_cache, row.kv_pages, g)[:row.context_len]  # [T, Hkv, D]
+        values = gather_pages(v_cache, row.kv_pages, g)[:row.context_len]
+        first = row.context_len - row.num_tokens  # position of the row's first query
+        # Queries in chunks, each against only the keys it can see: the scores of a long
+        # prompt would not fit in memory at once (H x n x T floats).
+        step = max(1, SCORE_BUDGET // (q.shape[1] * row.context_len))
+        for start in range(0, row.num_tokens, step):
+            stop = min(start + step, row.num_tokens)
+            lo = 0 if window is None else max(0, first + start - window + 1)
+            hi = first + stop  # keys up to the chunk's last query
+            k_pos = torch.arange(lo, hi, device=q.device)[None, :]
+            q_pos = torch.arange(first + start, first + stop, device=q.device)[:, None]
+            visible = _visible(q_pos, k_pos, window)[None, None]  # [1, 1, n, T]
+            rows = slice(row.token_start + start, row.token_start + stop)
+            queries = q[rows].transpose(0, 1)[None]  # [1, H, n, D]
+            out[rows] = _attend(queries, keys[None, lo:hi], values[None, lo:hi], visible, scale,
+                                softcap)[0].transpose(0, 1)
     return out
 
 

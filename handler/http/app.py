@@ -114,7 +114,8 @@ def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None,
         return serve_custom(state)
     body = state.formatters.request(_read_body())  # option.input_formatter
     accept = request.headers.get("Accept", "") if accept is None else accept
-    if completions or ("prompt" in body and "inputs" not in body):  # OpenAI's completions
+    if completions or (not chat_only and "prompt" in body
+                       and not {"inputs", "messages"} & set(body)):  # OpenAI's completions
         return serve_completions(state, body, start)
     if chat_only:  # OpenAI's route: the body says whether to stream, and a stream is SSE
         return serve_chat(state, body, wants_stream=False, sse=True, start=start)

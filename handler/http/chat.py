@@ -106,7 +106,7 @@ def _with_calls(message: dict, i: int) -> dict:
         shown = [{**c, "function": {**c["function"], _TEMPLATE_ARGUMENTS: json.loads(
             c["function"]["arguments"])}} for c in calls]
         assert all(isinstance(c["function"]["name"], str) for c in calls)
-    except (AssertionError, KeyError, TypeError, ValueError) as err:
+    except (AssertionError, KeyError, TypeError, ValueError, RecursionError) as err:
         raise bad_request(f"messages[{i}].tool_calls must be the assistant's list of "
                           '{"id", "type": "function", "function": {"name", "arguments": '
                           "JSON text}}") from err

@@ -18,7 +18,7 @@ from handler.http.chat import (
 )
 from handler.http.choices import HandleGroup
 from handler.http.completions import usage_chunk
-from handler.http.generation import Lines, admit, collect, stream_response, submit
+from handler.http.generation import Lines, admit, collect_all, stream_response, submit
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
 from handler.http.tools import CALL_OPEN, CallStream, history
@@ -53,7 +53,7 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
                    ) if chat.include_usage else None
         return stream_response(lines, handle, state, sse=sse, done_line=sse, start=start,
                                trailer=trailer)
-    answers = [collect(state, handle, start) for handle in handles]
+    answers = collect_all(state, handles, start)
     return Response(json.dumps(chat_completion(chat, state.model_name, answers,
                                                decode=engine.decode)),
                     status=200, mimetype="application/json")

@@ -109,6 +109,17 @@ def client_gone_check(environ: dict) -> Callable[[], bool] | None:
     return gone
 
 
+def collect_all(state: ServerState, handles: list[RequestHandle], start: float
+                ) -> list[list[TokenEvent]]:
+    """collect() each (n choices, a list of prompts); when one fails, the others are aborted
+    (their KV freed) rather than left to run to predict_timeout."""
+    try:
+        return [collect(state, handle, start) for handle in handles]
+    finally:
+        for handle in handles:  # no-op for those that finished
+            handle.abort()
+
+
 def collect(state: ServerState, handle: RequestHandle, start: float) -> list[TokenEvent]:
     """Wait for a non-streaming request's events; an abnormal end becomes an HTTP error."""
     events, times = [], []

@@ -17,7 +17,7 @@ from handler.http.completions import (
     parse_completion,
     usage_chunk,
 )
-from handler.http.generation import admit, collect, stream_response, submit
+from handler.http.generation import admit, collect_all, stream_response, submit
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
 
@@ -54,6 +54,6 @@ def serve_completions(state: ServerState, body: dict, start: float) -> Response:
                    ) if req.include_usage else None
         return stream_response(lines(), handle, state, sse=True, done_line=True, start=start,
                                trailer=trailer)
-    answers = [collect(state, handle, start) for handle in handles]
+    answers = collect_all(state, handles, start)
     return Response(json.dumps(completion(req, model, answers, decode=decode)), status=200,
                     mimetype="application/json")

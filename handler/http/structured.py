@@ -53,11 +53,13 @@ def _schema(value: object, field: str) -> GuidedSpec:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as err:
-            raise _bad(field, f"{field} is not valid JSON: {err.args[0][:100]}") from err
+        except (ValueError, RecursionError) as err:
+            raise _bad(field, f"{field} is not valid JSON (or nested too deeply)") from err
+    if value is False:
+        raise _bad(field, f"{field} is false: no answer could match it")
     if not isinstance(value, dict | bool):
         raise _bad(field, f"{field} must be a JSON schema (an object)")
-    return GuidedSpec.json_schema(value, field)
+    return GuidedSpec.json_schema({} if value is True else value, field)
 
 
 def _response_format(value: object, field: str) -> GuidedSpec | None:

@@ -172,9 +172,10 @@ def _choice(choice: object, names: list[str]) -> str:
 def tools_prompt(tools: Tools) -> str:
     """A system message for chat templates that do not render tools themselves."""
     listed = "\n".join(json.dumps(f, ensure_ascii=False) for f in tools.functions)
-    how = ('To call a tool, answer only <tool_call>{"name": <name>, "arguments": <arguments>}'
-           "</tool_call>; otherwise answer in text." if tools.choice == "auto" else
-           'Answer only with {"name": <name>, "arguments": <arguments>} for one tool.')
+    how = {"auto": 'To call a tool, answer only <tool_call>{"name": <name>, "arguments": '
+                   "<arguments>}</tool_call>; otherwise answer in text.",
+           "none": "Do not call a tool now: answer in text."}.get(
+        tools.choice, 'Answer only with {"name": <name>, "arguments": <arguments>} for one tool.')
     return f"You can call these tools:\n{listed}\n{how}"
 
 
@@ -186,6 +187,10 @@ def history(messages: list[dict], tools: Tools | None, template_takes_tools: boo
     shown = [_as_text(m) for m in messages]
     if tools is None:
         return shown
+    if shown[0]["role"] == "system":  # one system message: some templates allow no second
+        first = shown[0]
+        return [{**first, "content": f"{first['content']}\n\n{tools_prompt(tools)}"},
+                *shown[1:]]
     return [{"role": "system", "content": tools_prompt(tools)}, *shown]
 
 
