@@ -41,6 +41,8 @@ def test_answers_parse_into_calls_or_stay_text() -> None:
     assert content is None and call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
     assert tools("required").parse('{"name": "get_wea') == ('{"name": "get_wea', [])
+    _, [cut] = tools("required").parse(CALL[:-6])  # max_tokens cut the arguments
+    assert cut["function"]["arguments"] == '{"city": "O'
     assert tools().parse(f"<tool_call>{CALL}</tool_call>")[1]
     assert tools().parse("Sunny, I think.") == ("Sunny, I think.", [])
 
@@ -76,18 +78,18 @@ def test_bad_tool_calls_in_history_are_refused() -> None:
         parse_tools({"tool_choice": "auto"})
 
 
-def events(*texts: str) -> list[TokenEvent]:
-    return [TokenEvent("r", i, text, None, 3, i + 1, "eos_token" if i == len(texts) - 1
-                       else None) for i, text in enumerate(texts)]
+def events(*texts: str, end: str = "eos_token") -> list[TokenEvent]:
+    return [TokenEvent("r", i, text, None, 3, i + 1, end if i == len(texts) - 1 else None)
+            for i, text in enumerate(texts)]
 
 
-def streamed(choice, texts) -> list[dict]:
+def streamed(choice, texts, end: str = "eos_token") -> list[dict]:
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "tools": [WEATHER]}
     if choice is not None:
         body["tool_choice"] = choice
     chat = parse_chat(body, wants_stream=True)
     stream = ChoiceStream(chat, "m", lambda ids: "")
-    return [chunk for event in events(*texts) for chunk in stream.feed(event)]
+    return [chunk for event in events(*texts, end=end) for chunk in stream.feed(event)]
 
 
 def assembled(chunks: list[dict]) -> tuple[str, str, list[str]]:
@@ -118,3 +120,17 @@ def test_a_forced_call_streams_its_arguments_and_holds_its_closing_brace() -> No
     name, arguments, _ = assembled(chunks)
     assert (name, json.loads(arguments)) == ("get_weather", {"city": "Oslo"})
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", ["required", None])
+def test_a_call_cut_by_max_tokens_streams_what_the_whole_answer_returns(choice) -> None:
+    text = ("<tool_call>" if choice is None else "") + CALL[:-6]
+    pieces = [text[:15], text[15:30], text[30:]]
+    chunks = streamed(choice, pieces, end="length")
+    name, arguments, _ = assembled(chunks)
+    _, [whole] = tools(choice).parse(text)
+    assert (name, arguments) == ("get_weather", whole["function"]["arguments"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    early = streamed(None, ["<tool", "_call>{\"na"], end="length")  # cut before the name
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in early) == \
+        '<tool_call>{"na'

@@ -210,7 +210,7 @@ def _answer(req: ChatRequest, events: list[TokenEvent]) -> dict:
     message: dict = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
-        reason = "tool_calls"
+        reason = "tool_calls" if reason == "stop" else reason  # length: the call is cut
     return {"message": message, "finish_reason": reason}
 
 

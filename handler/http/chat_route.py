@@ -4,6 +4,7 @@ tools), submit, answer whole or stream (n choices interleaved; a call as tool_ca
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from flask import Response
 
@@ -89,6 +90,10 @@ class ChoiceStream:
         if self.call is None:
             return [*chunks, self._chunk(event)]
         deltas = self.call.feed(event.text)
+        if event.finished:
+            if self.call.name is None:  # cut before its name: what there is, as text
+                return [self._chunk(replace(event, text=self.call.text))]
+            deltas = _merged(deltas + self.call.rest())
         if deltas or event.finished or self.first:
             return [self._chunk(event, deltas)]
         return []
@@ -98,6 +103,16 @@ class ChoiceStream:
                            tool_calls=tool_calls, index=self.index)
         self.first = False
         return chunk
+
+
+def _merged(entries: list[dict]) -> list[dict]:
+    """tool_calls delta entries of one call (index 0) as one entry."""
+    if len(entries) < 2:
+        return entries
+    merged = {**entries[0], "function": dict(entries[0]["function"])}
+    merged["function"]["arguments"] = "".join(e["function"].get("arguments", "")
+                                              for e in entries)
+    return [merged]
 
 
 def _chunks(state: ServerState, chat: ChatRequest, handle: RequestHandle | HandleGroup

@@ -47,23 +47,16 @@ class Tools:
         return GuidedSpec("grammar", grammar, "tools")
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool_calls) of an answer; an unfinished call (cut by max_tokens) stays
-        text."""
-        body = text
-        if self.choice == "none":
+        """(content, tool_calls) of an answer, as a stream shows it: a call once its name is
+        complete, with its arguments as generated (cut short with the answer when max_tokens
+        cut it: finish_reason length says so); text otherwise."""
+        if self.choice == "none" or (self.choice == "auto" and not text.startswith(CALL_OPEN)):
             return text, []
-        if self.choice == "auto":
-            if not (text.startswith(CALL_OPEN) and text.endswith(CALL_CLOSE)):
-                return text, []
-            body = text[len(CALL_OPEN):-len(CALL_CLOSE)]
-        try:
-            call = json.loads(body)
-        except ValueError:
+        stream = CallStream(wrapped=self.choice == "auto")
+        stream.feed(text)
+        if stream.name is None:  # cut before the name was complete
             return text, []
-        # the arguments as generated (what a stream sends), not re-serialised
-        head = CallStream.HEAD.match(body)
-        arguments = body[head.end():-1] if head else json.dumps(call["arguments"])
-        return None, [tool_call(call["name"], arguments)]
+        return None, [tool_call(stream.name, stream.arguments(finished=True))]
 
 
 class CallStream:
@@ -76,10 +69,34 @@ class CallStream:
 
     def __init__(self, wrapped: bool) -> None:
         self.id = f"call_{uuid.uuid4().hex[:24]}"
+        self.name: str | None = None  # once the head is complete
         self._text = ""
         self._skip = len(CALL_OPEN) if wrapped else 0
-        self._tail = len("}" + (CALL_CLOSE if wrapped else ""))
+        self._tail = "}" + (CALL_CLOSE if wrapped else "")
         self._sent = -1  # characters of the arguments sent; -1: not even the name yet
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def arguments(self, finished: bool = False) -> str:
+        """The arguments' text so far: without the closing tail once the call is complete;
+        all of it when the answer ended without completing the call."""
+        head = self.HEAD.match(self._text, self._skip)
+        if head is None:
+            return ""
+        body = self._text[head.end():]
+        if self._text.endswith(self._tail) and _is_json(self._text[self._skip:len(
+                self._text) - len(self._tail) + 1]):
+            return body[:-len(self._tail)]
+        return body if finished else body[:max(0, len(body) - len(self._tail))]
+
+    def rest(self) -> list[dict]:
+        """At the end of the answer: the arguments' text not sent yet (what the tail held back
+        when max_tokens cut the call)."""
+        left = self.arguments(finished=True)[max(self._sent, 0):]
+        self._sent = max(self._sent, 0) + len(left)
+        return [{"index": 0, "function": {"arguments": left}}] if left else []
 
     def feed(self, piece: str) -> list[dict]:
         """The deltas (at most one entry) that `piece` completes."""
@@ -87,21 +104,29 @@ class CallStream:
         head = self.HEAD.match(self._text, self._skip)
         if head is None:
             return []
-        ready = len(self._text) - self._tail - head.end()  # arguments' characters sent so far
+        ready = self.arguments()
         entry: dict = {"index": 0, "function": {}}
         if self._sent < 0:
+            self.name = json.loads(head.group(1))
             entry.update(id=self.id, type="function")
-            entry["function"]["name"] = json.loads(head.group(1))
+            entry["function"]["name"] = self.name
             self._sent = 0
-        if ready > self._sent:
-            entry["function"]["arguments"] = self._text[head.end() + self._sent:
-                                                        head.end() + ready]
-            self._sent = ready
+        if len(ready) > self._sent:
+            entry["function"]["arguments"] = ready[self._sent:]
+            self._sent = len(ready)
         elif "name" in entry["function"]:
             entry["function"]["arguments"] = ""
         else:
             return []
         return [entry]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def tool_call(name: str, arguments: str) -> dict:
