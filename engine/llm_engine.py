@@ -68,7 +68,8 @@ class LLMEngine:
         except BaseException:
             close_runner(runner)
             raise
-        scheduler = SCHEDULERS[config.batching](config, build_allocator(config, plan))
+        scheduler = SCHEDULERS[config.batching](
+            config, build_allocator(config, plan, spec.sliding_window))
         device, dtype = runner.device, runner.kv_cache.dtype
         eos = eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d%s",

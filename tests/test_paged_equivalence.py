@@ -114,3 +114,28 @@ def test_request_larger_than_the_pool_is_rejected(tiny) -> None:
     with pytest.raises(RequestError, match="whole KV pool"):
         engine.add_request("big", prompts[0], greedy(20))
     assert not engine.has_unfinished()
+
+
+def test_a_sliding_window_frees_the_blocks_sequences_slide_past(tmp_path) -> None:
+    """Mistral with a 12-token window, blocks of 4: three 70-token sequences run at once in a
+    pool of 20 blocks (full contexts would need 54), never holding more than the window's blocks
+    each, and their tokens equal transformers generate."""
+    path = build_tiny_model(tmp_path, arch="mistral")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [[5 + i, 9, 40, 7, 11, 60, 3 + i, 8, 90, 14] for i in range(3)]
+    refs = [hf_greedy(model, p, 60) for p in prompts]
+    engine = make_engine(path, "paged", block_size=4, num_kv_blocks=20)
+    reqs = [Req(f"r{i}", p, greedy(60)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r.request_id, r.prompt, r.params)
+    by_id, peak = {r.request_id: r for r in reqs}, 0
+    while engine.has_unfinished():
+        for event in engine.step():
+            if event.token_id is not None:
+                by_id[event.request_id].tokens.append(event.token_id)
+        engine.scheduler.check_integrity()
+        peak = max(peak, engine.scheduler.allocator.num_used_blocks)
+    assert [r.tokens for r in reqs] == refs
+    assert engine.scheduler.num_preemptions == 0
+    assert peak <= 3 * (12 // 4 + 2)  # the window's blocks, the one being written, one spare
+    assert engine.scheduler.allocator.num_free_blocks == 20

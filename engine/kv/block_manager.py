@@ -5,6 +5,10 @@ only through the prefix cache). Block states:
     free       ref 0, no hash             in `_free`
     cached     ref 0, hashed, reusable    in `_evictable` (LRU: evicted oldest first)
     used       ref > 0                    owned by every sequence whose table lists it
+
+With a sliding window (every layer attends to the last `sliding_window` positions only), the
+blocks a sequence has slid past go back to the pool as it grows: their table entries then name
+the pool's scratch block (`outside_window`), which attention masks out like any padding.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ _BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash, this block
 class BlockManager(KVAllocator):
     """Paged allocator: blocks are taken as sequences grow and returned when they end."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None):
         super().__init__(num_blocks=num_blocks, block_size=block_size)
         self.enable_prefix_caching = enable_prefix_caching
+        # Prefix caching keeps whole prompts reusable, so it keeps their blocks too.
+        self.sliding_window = None if enable_prefix_caching else sliding_window
+        self.outside_window = num_blocks  # the runner's scratch block: never allocated
         self._ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -50,18 +58,35 @@ class BlockManager(KVAllocator):
             self._ref[block] = 1
             seq.block_table.append(block)
 
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Give back the blocks whose positions no later query of `seq` can see: the next one
+        (at position num_computed_tokens) sees positions > num_computed_tokens - window."""
+        if self.sliding_window is None:
+            return
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        for i in range(min(first_visible // self.block_size, len(seq.block_table))):
+            block = seq.block_table[i]
+            if block == self.outside_window:
+                continue
+            seq.block_table[i] = self.outside_window
+            self._unref(block)
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks go first so that LRU eviction drops a prefix's end before its start.
         for block in reversed(seq.block_table):
-            self._ref[block] -= 1
-            assert self._ref[block] >= 0
-            if self._ref[block] == 0:
-                if block in self._hash_of:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+            if block != self.outside_window:
+                self._unref(block)
         seq.block_table = []
         self._hashed.pop(seq.seq_id, None)
+
+    def _unref(self, block: int) -> None:
+        self._ref[block] -= 1
+        assert self._ref[block] >= 0
+        if self._ref[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
 
     def match_prefix(self, seq: Sequence) -> int:
         """Share cached blocks of a new sequence's prompt; returns tokens now computed.
@@ -112,7 +137,8 @@ class BlockManager(KVAllocator):
         refs = [0] * self.num_blocks
         for seq in live_seqs:
             for block in seq.block_table:
-                refs[block] += 1
+                if block != self.outside_window:
+                    refs[block] += 1
         assert refs == self._ref, "reference counts disagree with the block tables"
         free, cached = set(self._free), set(self._evictable)
         assert len(free) == len(self._free), "a block is free twice"

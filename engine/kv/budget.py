@@ -60,12 +60,15 @@ def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> int
     return num_blocks * block_size // max_model_len
 
 
-def build_allocator(config: EngineConfig, plan: KVPlan) -> KVAllocator:
-    """The strategy's allocator over the planned pool."""
+def build_allocator(config: EngineConfig, plan: KVPlan,
+                    sliding_window: int | None = None) -> KVAllocator:
+    """The strategy's allocator over the planned pool; `sliding_window`: the model's, when
+    every layer has it (the paged pool then frees what sequences slide past)."""
     if config.is_contiguous:
         return ContiguousAllocator(num_slots=plan.num_blocks, max_model_len=plan.block_size)
     return BlockManager(plan.num_blocks, plan.block_size,
-                        enable_prefix_caching=config.enable_prefix_caching)
+                        enable_prefix_caching=config.enable_prefix_caching,
+                        sliding_window=sliding_window)
 
 
 def default_budget_bytes(device_type: str, gpu_memory_utilization: float) -> int:

@@ -60,6 +60,7 @@ class PagedBatching(Scheduler):
         for seq in batch.seqs:
             if not seq.is_finished:
                 self.allocator.cache_full_blocks(seq)
+                self.allocator.release_outside_window(seq)
         return finished
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
