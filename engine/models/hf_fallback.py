@@ -34,7 +34,8 @@ _PROBE = "batchyard_probe"  # the kwarg of start-up's probe: a list each layer r
 # nothing here); any other input set (attention sinks, position biases, sparse indices, ...)
 # would be dropped silently, so such a model is refused.
 _UNDERSTOOD = {_STEP, _PROBE, "position_ids", "cache_position", "use_cache", "sliding_window",
-               "softcap", "output_attentions", "return_dict", "position_embeddings"}
+               "softcap", "output_attentions", "return_dict", "position_embeddings",
+               "is_causal"}  # is_causal=False is refused on its own
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
