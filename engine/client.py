@@ -29,7 +29,7 @@ class EngineClient:
                  on_step: Callable[[StepStats], None] | None = None) -> None:
         """Serve `engine` (already loaded here) from a core thread."""
         self._init(ThreadCore(engine), engine.tokenizer, engine.limits, engine.config,
-                   max_queued, on_step)
+                   max_queued, on_step, engine.guided)
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_queued: int,
@@ -53,14 +53,19 @@ class EngineClient:
         return client
 
     def _init(self, core: Core, tokenizer, limits: RequestLimits, config: EngineConfig,
-              max_queued: int, on_step: Callable[[StepStats], None] | None) -> None:
+              max_queued: int, on_step: Callable[[StepStats], None] | None,
+              guided: GuidedDecoding | None = None) -> None:
         # The loop's output thread detokenizes with `tokenizer`; callers borrow copies.
         self._tokenizers = TokenizerPool(tokenizer)
         template = tokenizer.chat_template
         self._template_takes_tools = isinstance(template, str) and "tools" in template
-        # Grammars are checked here, with the tokenizer, so that a bad one is the client's 400
-        self._guided = GuidedDecoding(tokenizer, limits.vocab_size, frozenset())
-        self._guided.build_in_background()
+        # Grammars are checked here, with the tokenizer, so that a bad one is the client's 400:
+        # with the engine's own llguidance tokenizer view when it runs in this process (built
+        # once), else with one of this process's.
+        if guided is None:
+            guided = GuidedDecoding(tokenizer, limits.vocab_size, frozenset())
+            guided.build_in_background()
+        self._guided = guided
         self._limits = limits
         self.max_prompt_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
         self._loop = EngineLoop(core, tokenizer, config.max_num_seqs, max_queued, on_step)
