@@ -17,7 +17,7 @@ from handler.http.chat import (
     each_choice,
     parse_chat,
 )
-from handler.http.choices import HandleGroup
+from handler.http.choices import HandleGroup, one_stream
 from handler.http.completions import usage_chunk
 from handler.http.generation import Lines, admit, collect_all, stream_response, submit
 from handler.http.schemas import HTTPError, bad_request
@@ -46,8 +46,8 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
             err.message = chat_names(err.message, chat.max_field)
         raise
     if chat.stream:
-        handle = handles[0] if chat.n == 1 else HandleGroup(handles)
-        lines, streams = _chunks(state, chat, handle)
+        handle, index = one_stream(handles)
+        lines, streams = _chunks(state, chat, handle, index)
         trailer = (lambda _: usage_chunk(chat.completion_id, "chat.completion.chunk",
                                          chat.created, state.model_name,
                                          [s.last for s in streams])
@@ -115,12 +115,11 @@ def _merged(entries: list[dict]) -> list[dict]:
     return [merged]
 
 
-def _chunks(state: ServerState, chat: ChatRequest, handle: RequestHandle | HandleGroup
-            ) -> tuple[Lines, list[ChoiceStream]]:
+def _chunks(state: ServerState, chat: ChatRequest, handle: RequestHandle | HandleGroup,
+            index: dict[str, int]) -> tuple[Lines, list[ChoiceStream]]:
     """Each choice's chunks, in the order their events come."""
     streams = [ChoiceStream(chat, state.model_name, state.engine.decode, i)
                for i in range(chat.n)]
-    index = handle.index if isinstance(handle, HandleGroup) else {handle.request_id: 0}
 
     def lines() -> Lines:
         for event in handle.events():

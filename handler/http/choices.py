@@ -9,6 +9,14 @@ from collections.abc import Iterator
 from engine import RequestHandle, TokenEvent
 
 
+def one_stream(handles: list[RequestHandle]
+               ) -> tuple[RequestHandle | HandleGroup, dict[str, int]]:
+    """What a stream of n choices reads: their handle (a HandleGroup when n > 1), and each
+    request id's choice index."""
+    handle = handles[0] if len(handles) == 1 else HandleGroup(handles)
+    return handle, {h.request_id: i for i, h in enumerate(handles)}
+
+
 class HandleGroup:
     """The requests of one body's n choices, seen as one handle by stream_response: events()
     merges theirs as they come (one forwarding thread each), abort() ends them all."""
@@ -17,7 +25,6 @@ class HandleGroup:
         self.handles = handles
         self.request_id = handles[0].request_id
         self.num_prompt_tokens = handles[0].num_prompt_tokens
-        self.index = {h.request_id: i for i, h in enumerate(handles)}  # request id → choice
 
     @property
     def cancelled(self) -> bool:

@@ -9,7 +9,7 @@ from flask import Response
 
 from engine import RequestError, TokenEvent
 from handler.http.chat import each_choice
-from handler.http.choices import HandleGroup
+from handler.http.choices import one_stream
 from handler.http.completions import (
     completion,
     completion_chunk,
@@ -38,8 +38,7 @@ def serve_completions(state: ServerState, body: dict, start: float) -> Response:
         raise
     model, decode = state.model_name, state.engine.decode
     if req.stream:  # one prompt, n choices whose chunks interleave
-        handle = handles[0] if req.n == 1 else HandleGroup(handles)
-        index = handle.index if isinstance(handle, HandleGroup) else {handle.request_id: 0}
+        handle, index = one_stream(handles)
         lasts: dict[int, TokenEvent] = {}
 
         def lines() -> Iterator[tuple[dict, TokenEvent]]:
