@@ -36,7 +36,10 @@ def add_parsers(sub) -> None:
 def grammar_masks(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(_model_dir(args), local_files_only=True)
+    from handler.model_source.default_model import ensure_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir or ensure_default_model(),
+                                              local_files_only=True)
     answers = [tokenizer.encode(json.dumps(instance), add_special_tokens=False)
                for _, instance in SCHEMAS]
     results = {"tokenizer_vocab": len(tokenizer), "llguidance": _time_llguidance(
@@ -45,7 +48,7 @@ def grammar_masks(args: argparse.Namespace) -> int:
         results["xgrammar"] = _time_xgrammar(tokenizer, answers, args.repeat)
     except ImportError:
         logger.info("xgrammar is not installed: llguidance only")
-    _report(results, args.out, "grammar-masks.json")
+    write_report(results, args.out, "grammar-masks.json")
     return 0
 
 
@@ -108,29 +111,31 @@ def _summary(compile_s: list[float], per_token: list[float]) -> dict:
 def constrained(args: argparse.Namespace) -> int:
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.guided import GuidedSpec
+    from handler.model_source.default_model import ensure_default_model
 
-    config = EngineConfig(model=str(_model_dir(args)), batching=args.strategy,
-                          max_num_seqs=args.batch, max_model_len=512, dtype="float32")
+    config = EngineConfig(model=str(args.model_dir or ensure_default_model()),
+                          batching=args.strategy, max_num_seqs=args.batch, max_model_len=512,
+                          dtype="float32")
     engine = LLMEngine.from_config(config)
     prompt = engine.tokenizer.encode(PROMPT)
     guided = [SamplingParams(max_new_tokens=128, guided=GuidedSpec.json_schema(s))
               for s, _ in SCHEMAS]
     asked = [guided[i % len(guided)] for i in range(args.requests)]
-    _run(engine, prompt, asked[:args.batch])  # warm-up: compiles the grammars, the kernels
-    with_grammar, lengths = _run(engine, prompt, asked)
+    run_full_batch(engine, prompt, asked[:args.batch])  # warm-up: grammars compile, kernels load
+    with_grammar, lengths = run_full_batch(engine, prompt, asked)
     free = [SamplingParams(max_new_tokens=n, min_new_tokens=n, ignore_eos=True)
             for n in lengths]
-    without, _ = _run(engine, prompt, free)
+    without, _ = run_full_batch(engine, prompt, free)
     results = {"batch": args.batch, "requests": args.requests, "strategy": args.strategy,
                "output_tokens": sum(lengths),
                "guided_tokens_per_s": round(sum(lengths) / with_grammar, 1),
                "free_tokens_per_s": round(sum(lengths) / without, 1),
                "ratio": round(without / with_grammar, 3)}
-    _report(results, args.out, "constrained.json")
+    write_report(results, args.out, "constrained.json")
     return 0
 
 
-def _run(engine, prompt: list[int], asked: list) -> tuple[float, list[int]]:
+def run_full_batch(engine, prompt: list[int], asked: list) -> tuple[float, list[int]]:
     """Keep the batch full: a finished request is replaced at once. Returns (seconds, output
     tokens of each request in order)."""
     lengths = [0] * len(asked)
@@ -149,15 +154,7 @@ def _run(engine, prompt: list[int], asked: list) -> tuple[float, list[int]]:
     return time.perf_counter() - start, lengths
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
-    if args.model_dir is not None:
-        return args.model_dir
-    from handler.model_source.default_model import ensure_default_model
-
-    return ensure_default_model()
-
-
-def _report(results: dict, out: Path | None, name: str) -> None:
+def write_report(results: dict, out: Path | None, name: str) -> None:
     text = json.dumps(results, indent=2)
     logger.info("%s", text)
     if out is not None:

@@ -11,7 +11,7 @@ import logging
 import time
 from pathlib import Path
 
-from benchmark.constrained import _model_dir, _report, _run
+from benchmark.constrained import run_full_batch, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -29,25 +29,26 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine import EngineConfig, LLMEngine, SamplingParams
+    from handler.model_source.default_model import ensure_default_model
 
     results: dict = {"batch": args.batch, "requests": args.requests,
                      "new_tokens": args.new_tokens, "strategy": args.strategy}
     params = SamplingParams(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                             ignore_eos=True)
     for impl in ("native", "transformers"):
-        config = EngineConfig(model=str(_model_dir(args)), batching=args.strategy,
-                              max_num_seqs=args.batch, max_model_len=512, dtype="float32",
-                              model_impl=impl)
+        config = EngineConfig(model=str(args.model_dir or ensure_default_model()),
+                              batching=args.strategy, max_num_seqs=args.batch,
+                              max_model_len=512, dtype="float32", model_impl=impl)
         started = time.perf_counter()
         engine = LLMEngine.from_config(config)
         load_s = time.perf_counter() - started
         prompt = engine.tokenizer.encode("Once upon a time, in a quiet town by the sea,")
-        _run(engine, prompt, [params] * args.batch)  # warm-up
-        seconds, lengths = _run(engine, prompt, [params] * args.requests)
+        run_full_batch(engine, prompt, [params] * args.batch)  # warm-up
+        seconds, lengths = run_full_batch(engine, prompt, [params] * args.requests)
         results[impl] = {"tokens_per_s": round(sum(lengths) / seconds, 1),
                          "load_s": round(load_s, 1)}
     results["ratio"] = round(results["transformers"]["tokens_per_s"]
                              / results["native"]["tokens_per_s"], 3)
-    _report(results, args.out, "model-impl.json")
+    write_report(results, args.out, "model-impl.json")
     logger.debug("%s", json.dumps(results))
     return 0
