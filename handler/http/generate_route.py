@@ -10,7 +10,7 @@ from handler.http.generation import (
     SSE,
     Lines,
     admit,
-    collect,
+    collect_all,
     engine_errors,
     generate_lines,
     stream_response,
@@ -42,13 +42,9 @@ def serve_generate(state: ServerState, body: dict, accept: str, start: float) ->
             lines = _tgi_lines(lines, gen.params.seed)
         return stream_response(formatters.stream(lines), handles[0], state, sse=sse,
                                done_line=False, start=start)
-    try:
-        results = [generation_dict(collect(state, h, start), text, gen, decode=decode,
-                                   prompt_ids=ids)
-                   for h, text, ids in zip(handles, gen.inputs, prompts, strict=True)]
-    finally:
-        for handle in handles:  # no-op when finished; frees the rest when one input failed
-            handle.abort()
+    answers = collect_all(state, handles, start)  # one failed input aborts the rest
+    results = [generation_dict(events, text, gen, decode=decode, prompt_ids=ids)
+               for events, text, ids in zip(answers, gen.inputs, prompts, strict=True)]
     return _answer(state, gen, results)
 
 
