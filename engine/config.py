@@ -52,6 +52,9 @@ class EngineConfig:
     # CI's stand-in for CUDA graphs: on CPU too, pure decode steps run padded to the graphs'
     # buckets over their static buffers, checked at start-up (slower on CPU; for tests).
     padded_decode_on_cpu: bool = False
+    # Plan step n+1 while step n computes (its tokens feed step n+1 on the device). None: on
+    # where the device runs asynchronously to the host (CUDA) and one rank computes.
+    async_scheduling: bool | None = None
     # None: weights in `dtype`; "int8": weight-only int8, one scale per output channel.
     quantize: str | None = None
     # Ranks the model is sharded over (Megatron-style, engine/parallel/); -1: every visible

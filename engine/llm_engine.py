@@ -6,7 +6,9 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from engine.async_check import choose_async_scheduling
 from engine.config import EngineConfig
 from engine.guided import GuidedDecoding
 from engine.inputs import GenerationRequest, RequestLimits
@@ -18,6 +20,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import SCHEDULERS, ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
 
+if TYPE_CHECKING:
+    from engine.model_runner import StepResult
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,13 +32,28 @@ class _Request:
     seq: Sequence
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    result: StepResult
+    # a sequence it samples cannot be planned before its token is known (grammar, penalties)
+    blocks_planning: bool
+
+
 class LLMEngine:
     """Owns the scheduler, the runner and every in-flight request. Not thread-safe: EngineLoop
     drives it from one thread when serving; offline callers add requests and step() it.
 
     The core step, step_outputs(), schedules and computes and returns token ids; the output
     processor turns them into text. step() runs both, so offline a stop string ends its sequence
-    before the next step; EngineLoop runs the output processor on a thread of its own."""
+    before the next step; EngineLoop runs the output processor on a thread of its own.
+
+    With `async_scheduling` the host plans and launches step n+1 while step n computes: the
+    tokens step n samples stay on the device and feed step n+1, and the host reads them (for
+    outputs, EOS and stop checks) one step later. A sequence that ends at step n has then
+    computed one token more, which is dropped, never returned."""
 
     def __init__(self, config: EngineConfig, tokenizer, scheduler: Scheduler, runner,
                  max_model_len: int, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
@@ -53,6 +73,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self._guided: GuidedDecoding | None = None  # see `guided`
         self._pending: list[StepOutput] = []  # ended before any step (a grammar that failed)
+        self.async_scheduling = False  # from_config decides (engine/async_check.py)
+        self._in_flight: _InFlight | None = None
+        self._at_risk: list[ScheduledBatch] = []  # what a failing step leaves untrustworthy
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -80,6 +103,7 @@ class LLMEngine:
                     plan.pool_bytes / 2**20, plan.sized_by, plan.max_concurrency)
         engine = cls(config, tokenizer, scheduler, runner, max_model_len, spec.vocab_size, eos)
         engine.guided.build_in_background()  # ready before the first guided request
+        engine.async_scheduling = choose_async_scheduling(engine)
         return engine
 
     def close(self) -> None:
@@ -161,12 +185,11 @@ class LLMEngine:
         return self._output(req, None, error=error)
 
     def fail_last_batch(self, error: str) -> list[StepOutput]:
-        """End every request of the batch whose step raised; returns their final outputs."""
-        batch, self._last_batch = self._last_batch, None
-        if batch is None:
-            return []
-        live = [self._requests[s.seq_id] for s in batch.seqs if s.seq_id in self._requests]
-        ids = [req.request_id for req in live]
+        """End every request of the step that raised (and of the step launched before it, whose
+        tokens are lost); returns their final outputs."""
+        batches, self._at_risk, self._last_batch, self._in_flight = self._at_risk, [], None, None
+        seqs = dict.fromkeys(s for batch in batches for s in batch.seqs)
+        ids = [self._requests[s.seq_id].request_id for s in seqs if s.seq_id in self._requests]
         return [out for rid in ids if (out := self.abort(rid, FinishReason.ERROR, error))]
 
     @property
@@ -179,7 +202,8 @@ class LLMEngine:
         return list(self._ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._pending)
+                or self._in_flight is not None)
 
     @property
     def max_concurrency(self) -> int:
@@ -202,18 +226,53 @@ class LLMEngine:
         or finished, with token ids only (no text, no stop strings)."""
         self._last_batch = None
         self.phases.start()
-        batch = self._last_batch = self.scheduler.schedule()
-        self.phases.mark("schedule")
-        if batch is None:
-            pending, self._pending = self._pending, []
-            return pending
-        samples = self.runner.run(batch)  # marks prepare, forward and sample
-        self.scheduler.postprocess(batch, samples)
+        if self.async_scheduling:
+            outputs = self._step_ahead()
+        else:
+            batch = self._schedule()
+            outputs = [] if batch is None else self._land(self._launch(batch))
+        self._at_risk = [self._in_flight.batch] if self._in_flight else []
+        self.phases.mark("postprocess")
         # taken only now: if the step raised, the next one still reports them
         pending, self._pending = self._pending, []
-        outputs = self._outputs(batch, samples)
-        self.phases.mark("postprocess")
         return pending + outputs
+
+    def _step_ahead(self) -> list[StepOutput]:
+        """Plan and launch the next step, then read the previous one's tokens while it runs."""
+        outputs: list[StepOutput] = []
+        ahead, self._in_flight = self._in_flight, None
+        if ahead is not None and ahead.blocks_planning:
+            outputs, ahead = self._land(ahead), None
+        batch = self._schedule()
+        if batch is None and ahead is not None:  # its tokens may end sequences or free room
+            outputs, ahead = self._land(ahead), None
+            batch = self._schedule()
+        if batch is not None:
+            self._in_flight = self._launch(batch)
+        if ahead is not None:
+            outputs = self._land(ahead)
+        return outputs
+
+    def _schedule(self) -> ScheduledBatch | None:
+        batch = self._last_batch = self.scheduler.schedule()
+        if batch is not None:
+            self._at_risk.append(batch)
+        self.phases.mark("schedule")
+        return batch
+
+    def _launch(self, batch: ScheduledBatch) -> _InFlight:
+        """Queue the batch on the device and count its tokens as computed."""
+        blocks = any(seq.needs_known_tokens for i, seq in enumerate(batch.seqs)
+                     if batch.is_sampled(i))
+        result = self.runner.launch(batch)  # marks prepare, forward and sample
+        self.scheduler.advance(batch)
+        return _InFlight(batch, result, blocks)
+
+    def _land(self, step: _InFlight) -> list[StepOutput]:
+        """Read a launched step's tokens: append them, retire what they end, report them."""
+        samples = step.result.tokens()
+        self.scheduler.resolve(step.batch, samples)
+        return self._outputs(step.batch, samples)
 
     def measure_phases(self, phases: StepPhases | NoPhases) -> None:
         """Time each phase of later steps with `phases` (NoPhases turns it off)."""
@@ -257,9 +316,9 @@ class LLMEngine:
             del self._ids[req.request_id]
         if sample is None:
             return StepOutput(req.request_id, None, None, seq.num_prompt_tokens,
-                              seq.num_output_tokens, reason, error)
+                              seq.num_known_output_tokens, reason, error)
         return StepOutput(req.request_id, sample.token_id, sample.logprob, seq.num_prompt_tokens,
-                          seq.num_output_tokens, reason, error, sample.top_logprobs)
+                          seq.num_known_output_tokens, reason, error, sample.top_logprobs)
 
 
 def load_tokenizer(config: EngineConfig):

@@ -25,9 +25,9 @@ from engine.models.spec import ModelSpec
 from engine.outputs import SampledToken
 from engine.parallel.workers import WorkerLost
 from engine.phases import NoPhases, StepPhases
-from engine.sampler import Sampler
+from engine.sampler import SampledRows, Sampler
 from engine.scheduler.base import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import PENDING_TOKEN, Sequence
 from engine.step_buffer import StepBuffer
 
 
@@ -44,6 +44,8 @@ class StepPlan:
     prefills: list[tuple[int, int, list[int], int]]  # (row, tokens, block table, context)
     sample_rows: list[int]  # packed rows whose logits are sampled
     sampled: list[int]  # which of the batch's sequences they belong to
+    # (packed token, row of the previous step's samples): inputs still on the device
+    carried: tuple[tuple[int, int], ...] = ()
 
 
 class PlanSender(Protocol):
@@ -51,6 +53,22 @@ class PlanSender(Protocol):
 
     def send(self, plan: StepPlan) -> None: ...
     def kill(self) -> None: ...
+
+
+class StepResult:
+    """A launched step: one SampledToken (or None) per batch sequence, once the device is done."""
+
+    def __init__(self, num_seqs: int, sampled: list[int], rows: SampledRows | None) -> None:
+        self.num_seqs = num_seqs
+        self.sampled = sampled
+        self.rows = rows
+
+    def tokens(self) -> list[SampledToken | None]:
+        out: list[SampledToken | None] = [None] * self.num_seqs
+        if self.rows is not None:
+            for i, token in zip(self.sampled, self.rows.tokens(), strict=True):
+                out[i] = token
+        return out
 
 
 class ModelRunner:
@@ -75,6 +93,9 @@ class ModelRunner:
         self.scratch_slot = num_blocks * block_size
         self.padded_decode: PaddedDecode | None = None  # enable_padded_decode() sets it
         self.peers: PlanSender | None = None  # the worker ranks, when tensor parallel
+        # The latest step's samples and whose they are (seq id -> row): a later step whose
+        # input is still pending reads it from there, on the device.
+        self._carry: tuple[SampledRows, dict[int, int]] | None = None
 
     def enable_padded_decode(self, max_batch: int, max_model_len: int) -> PaddedDecode:
         """Run pure decode steps padded to batch and width buckets over static buffers (what CUDA
@@ -88,38 +109,45 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
         """Forward the batch's scheduled tokens; sample for sequences that caught up."""
+        return self.launch(batch).tokens()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> StepResult:
+        """Queue the batch's forward and sampling on the device; the host may plan the next step
+        while it runs. An input still pending is read from the previous launch's samples."""
         plan = self.pack(batch)
         sampling = [batch.seqs[i] for i in plan.sampled]
         if self.peers is None:
-            return self.execute(plan, sampling)
-        self.peers.send(plan)  # tensor parallel: the other ranks run the same plan
-        try:
-            return self.execute(plan, sampling)
-        except Exception as err:
-            self.peers.kill()  # mid-step: their collectives would wait for ours
-            raise WorkerLost(f"tensor-parallel step failed on rank 0: {err}") from err
+            rows = self.execute(plan, sampling)
+        else:
+            assert not plan.carried, "worker ranks cannot read rank 0's samples"
+            self.peers.send(plan)  # tensor parallel: the other ranks run the same plan
+            try:
+                rows = self.execute(plan, sampling)
+            except Exception as err:
+                self.peers.kill()  # mid-step: their collectives would wait for ours
+                raise WorkerLost(f"tensor-parallel step failed on rank 0: {err}") from err
+        owners = {batch.seqs[i].seq_id: k for k, i in enumerate(plan.sampled)}
+        self._carry = (rows, owners) if rows is not None else None
+        return StepResult(plan.num_seqs, plan.sampled, rows)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, sampling: list[Sequence] | None
-                ) -> list[SampledToken | None]:
+    def execute(self, plan: StepPlan, sampling: list[Sequence] | None) -> SampledRows | None:
         """Run a packed step; `sampling` holds the sequences of plan.sampled (None on a
         tensor-parallel worker rank, which computes its share and samples nothing)."""
         padded = self._padded(plan)
         views, meta, sampler_plan = self._stage(plan, sampling, describe=not padded)
         self.phases.mark("prepare")
-        out: list[SampledToken | None] = [None] * plan.num_seqs
         logits = self.padded_logits(views) if padded else self.eager_logits(views, meta,
                                                                             plan.sampled)
         self.phases.mark("forward")  # [S, vocab] float32, or None: the step only wrote KV
         if logits is None or sampling is None:
-            return out
-        for i, token in zip(plan.sampled, self.sampler(logits, sampler_plan, views), strict=True):
-            out[i] = token
+            return None
+        rows = self.sampler.launch(logits, sampler_plan, views)
         self.phases.mark("sample")
-        return out
+        return rows
 
     def eager_logits(self, views: dict[str, torch.Tensor], meta: AttentionMetadata,
                      sampled: list[int]) -> torch.Tensor | None:
@@ -164,9 +192,12 @@ class ModelRunner:
         prefills: list[tuple[int, int, list[int], int]] = []  # (row, tokens, table, context)
         sample_rows: list[int] = []
         sampled: list[int] = []
+        carried: list[tuple[int, int]] = []  # (packed token, previous step's sample row)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens, strict=True)):
             start, table, row = seq.num_computed_tokens, seq.block_table, len(ids)
             end = start + n
+            if seq.token_ids[end - 1] == PENDING_TOKEN:
+                carried.append((row + n - 1, self._carried_row(seq)))
             if n == 1:
                 ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -181,7 +212,14 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
                 sampled.append(i)
         return StepPlan(len(batch.seqs), ids, positions, slots, decodes, prefills, sample_rows,
-                        sampled)
+                        sampled, tuple(carried))
+
+    def _carried_row(self, seq: Sequence) -> int:
+        """Where the previous launch sampled `seq`'s pending input (only that one can be)."""
+        owners = self._carry[1] if self._carry is not None else {}
+        if seq.num_pending != 1 or seq.seq_id not in owners:
+            raise RuntimeError(f"{seq}: its input token is pending but not from the last step")
+        return owners[seq.seq_id]
 
     def _stage(self, plan: StepPlan, sampling: list[Sequence] | None, describe: bool = True):
         """Write the plan (and the sampling parameters) into the step buffer, upload it once,
@@ -194,7 +232,13 @@ class ModelRunner:
         self._stage_decodes(plan.decodes)
         page_spans = self._stage_prefill_pages(plan.prefills)
         sampler_plan = self.sampler.stage(sampling, buffer) if sampling else None
+        if plan.carried:
+            buffer.put("carried", [[dst for dst, _ in plan.carried],
+                                   [src for _, src in plan.carried]], shape=(2, len(plan.carried)))
         views = buffer.upload()
+        if plan.carried:  # the pending inputs, from the previous step's samples on the device
+            dst, src = views["carried"]
+            views["tokens"][0].index_copy_(0, dst, self._carry[0].ids().index_select(0, src))
         meta = self._metadata(views, plan.decodes, plan.prefills, page_spans) if describe \
             else None
         return views, meta, sampler_plan

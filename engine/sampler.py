@@ -97,13 +97,50 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, plan: SamplingPlan,
                  views: dict[str, torch.Tensor]) -> list[SampledToken]:
         """logits [S, vocab] float32 → one token per row, through one device-to-host copy."""
+        return self.launch(logits, plan, views).tokens()
+
+    def launch(self, logits: torch.Tensor, plan: SamplingPlan,
+               views: dict[str, torch.Tensor]) -> SampledRows:
+        """Queue the batch's sampling and its one device-to-host copy; wait for neither."""
         if plan.plain_greedy and self.greedy is not None and max(plan.top_logprobs) == 0:
-            host = self.greedy(logits).numpy()
+            packed = self.greedy(logits)  # computed on the host, here and now
+            host = packed.numpy()
             if not np.isnan(host[:, 1]).any():
-                return unpack(host, plan)
+                return SampledRows(packed, host, None, plan)
         if plan.guided:  # the host's grammar work overlaps the device's forward
             views = {**views, "s_grammar": self.masks.fill(plan, logits.shape[0], logits.device)}
-        return unpack(sample(logits, plan, views).cpu().numpy(), plan)
+        packed = sample(logits, plan, views)
+        if packed.device.type == "cpu":
+            return SampledRows(packed, packed.numpy(), None, plan)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return SampledRows(packed, host, done, plan)
+
+
+class SampledRows:
+    """One step's sampled rows: packed [S, 2 + 2k] float64 on the device, whose ids the next
+    step may read there (asynchronous scheduling), and their host copy, ready once `done`."""
+
+    def __init__(self, packed: torch.Tensor, host: torch.Tensor | np.ndarray,
+                 done: torch.cuda.Event | None, plan: SamplingPlan) -> None:
+        self.packed = packed
+        self._host = host
+        self._done = done
+        self._plan = plan
+
+    def ids(self) -> torch.Tensor:
+        """[S] int64 on the device: the sampled token ids."""
+        return self.packed[:, 0].long()
+
+    def tokens(self) -> list[SampledToken]:
+        """Wait for the copy, then one SampledToken per row."""
+        host = self._host
+        if self._done is not None:
+            self._done.synchronize()
+            host = host.numpy()
+        return unpack(host, self._plan)
 
 
 def sample(logits: torch.Tensor, plan: SamplingPlan,

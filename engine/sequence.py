@@ -7,6 +7,10 @@ from typing import Protocol
 
 from engine.sampling_params import SamplingParams
 
+# A token sampled by a step still on the device (asynchronous scheduling): the next step reads
+# it from the device, and the host writes it in when that step's results arrive.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -69,6 +73,8 @@ class Sequence:
         # Guided decoding: the sampler masks what the grammar forbids; every output token
         # advances it. It lives as long as the sequence: preemption keeps the output tokens.
         self.constraint: Constraint | None = None
+        # Trailing PENDING_TOKENs: sampled on the device, not yet known to the host.
+        self.num_pending = 0
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
@@ -99,19 +105,55 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens the host knows: all but the pending ones."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        return self.num_known_tokens - self.num_prompt_tokens
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """Its last token is sampled but still on the device: nothing is left to schedule."""
+        return self.num_pending > 0 and self.num_output_tokens >= self.params.max_new_tokens
+
+    @property
+    def needs_known_tokens(self) -> bool:
+        """Whether the sampler reads this sequence's generated tokens on the host (a grammar's
+        mask, penalties over what it said): its next step then waits for the last one."""
+        p = self.params
+        return bool(self.constraint is not None or p.repetition_penalty != 1.0
+                    or p.frequency_penalty or p.presence_penalty)
+
     def append_token(self, token_id: int) -> None:
+        self.append_pending()
+        self.resolve_token(token_id)
+
+    def append_pending(self) -> None:
+        """A step that catches this sequence up is on its way: hold a place for its token."""
         assert self.num_computed_tokens == self.num_tokens, "sampled before catching up"
-        self.token_ids.append(token_id)
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+
+    def resolve_token(self, token_id: int) -> None:
+        """The oldest pending token arrived from the device."""
+        at = self.num_known_tokens
+        assert self.num_pending and self.token_ids[at] == PENDING_TOKEN, "no pending token"
+        self.token_ids[at] = token_id
+        self.num_pending -= 1
         if self.constraint is not None:
             self.constraint.accept(token_id)
 
     def token_finish_reason(self) -> FinishReason | None:
-        """Why the last appended token ends the sequence (EOS or length), if it does."""
-        if self.num_output_tokens >= self.params.max_new_tokens:
+        """Why the last known token ends the sequence (EOS or length), if it does."""
+        outputs = self.num_known_output_tokens
+        if outputs >= self.params.max_new_tokens:
             return FinishReason.LENGTH
-        if (not self.params.ignore_eos and self.num_output_tokens > 0
-                and self.token_ids[-1] in self.eos_token_ids
-                and self.num_output_tokens > self.params.min_new_tokens):
+        if (not self.params.ignore_eos and outputs > 0
+                and self.token_ids[self.num_known_tokens - 1] in self.eos_token_ids
+                and outputs > self.params.min_new_tokens):
             return FinishReason.EOS
         if self.constraint is not None:
             if self.constraint.error is not None:
@@ -121,5 +163,10 @@ class Sequence:
         return None
 
     def finish(self, reason: FinishReason) -> None:
+        """End it; a token still pending (computed ahead, asynchronous scheduling) is dropped."""
+        if self.num_pending:
+            del self.token_ids[self.num_known_tokens:]
+            self.num_pending = 0
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason

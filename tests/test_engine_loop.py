@@ -93,16 +93,16 @@ def test_capacity_is_running_plus_job_queue(served) -> None:
 def test_a_failing_step_fails_its_batch_then_the_loop_serves_again(engine, served,
                                                                    monkeypatch) -> None:
     runner = engine.runner
-    real_run = runner.run
+    real_launch = runner.launch
     calls = {"n": 0}
 
     def fail_once(batch):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected")
-        return real_run(batch)
+        return real_launch(batch)
 
-    monkeypatch.setattr(runner, "run", fail_once)
+    monkeypatch.setattr(runner, "launch", fail_once)
     failed = collect(served.submit(request(greedy(5))))
     assert failed[-1].finish_reason == "error" and "engine failure" in failed[-1].error
     ok = collect(served.submit(request(greedy(5))))
@@ -121,7 +121,7 @@ def test_repeated_failures_stop_the_loop_and_ping_turns_503(model_dir, monkeypat
     def broken(batch):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "run", broken)
+    monkeypatch.setattr(engine.runner, "launch", broken)
     handles = [state.engine.submit(request(greedy(5))) for _ in range(4)]
     for handle in handles:  # every accepted request ends, none hangs
         assert collect(handle)[-1].finish_reason == "error"

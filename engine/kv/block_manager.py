@@ -120,7 +120,9 @@ class BlockManager(KVAllocator):
         if not self.enable_prefix_caching:
             return
         done, parent = self._hashed.get(seq.seq_id, (0, None))
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # Only blocks whose token ids are all known (none pending on the device) get a key.
+        known = min(seq.num_computed_tokens, seq.num_known_tokens)
+        full = min(known // self.block_size, len(seq.block_table))
         for i in range(done, full):
             block = seq.block_table[i]
             key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))

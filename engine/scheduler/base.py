@@ -73,14 +73,30 @@ class Scheduler(ABC):
 
         Returns the sequences that finished in this step.
         """
-        finished = []
-        for seq, n, sample in zip(batch.seqs, batch.num_scheduled_tokens, samples, strict=True):
+        self.advance(batch)
+        return self.resolve(batch, samples)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The batch is computing: its tokens count as computed, and each sequence it catches up
+        holds a pending place for the token being sampled. Under asynchronous scheduling the
+        next step is planned from here, before that token is known."""
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens, strict=True)):
             if seq.is_finished:  # finished by the caller between schedule() and now
                 continue
+            sampled = batch.is_sampled(i)
             seq.num_computed_tokens += n
-            if sample is None:
+            if sampled:
+                seq.append_pending()
+
+    def resolve(self, batch: ScheduledBatch,
+                samples: list[SampledToken | None]) -> list[Sequence]:
+        """The batch's sampled tokens arrived: fill in the pending places and retire the
+        sequences they end (their tokens computed ahead since are dropped). Returns those."""
+        finished = []
+        for seq, sample in zip(batch.seqs, samples, strict=True):
+            if seq.is_finished or sample is None:
                 continue
-            seq.append_token(sample.token_id)
+            seq.resolve_token(sample.token_id)
             reason = seq.token_finish_reason()
             if reason is not None:
                 self.finish(seq, reason)
@@ -129,6 +145,7 @@ class Scheduler(ABC):
 
     def _run_to_catch_up(self, seqs: list[Sequence]) -> ScheduledBatch | None:
         """Schedule every uncomputed token of each sequence (prompt or last sampled token)."""
+        seqs = [seq for seq in seqs if not seq.awaits_last_token]
         if not seqs:
             return None
         counts = []

@@ -42,7 +42,7 @@ class PagedBatching(Scheduler):
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, picked):
                 picked[seq] = 1
                 budget -= 1
-        for seq in [s for s in self.running if not _is_decode(s)]:
+        for seq in [s for s in self.running if not _is_decode(s) and not s.awaits_last_token]:
             n = self._prefill_chunk(seq, budget, picked)
             if n:
                 self.allocator.allocate(seq, n)
@@ -54,13 +54,18 @@ class PagedBatching(Scheduler):
             return None
         return ScheduledBatch(tuple(picked), tuple(picked.values()))
 
-    def postprocess(self, batch: ScheduledBatch,
-                    samples: list[SampledToken | None]) -> list[Sequence]:
-        finished = super().postprocess(batch, samples)
+    def advance(self, batch: ScheduledBatch) -> None:
+        super().advance(batch)
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self.allocator.release_outside_window(seq)
+
+    def resolve(self, batch: ScheduledBatch,
+                samples: list[SampledToken | None]) -> list[Sequence]:
+        finished = super().resolve(batch, samples)
         for seq in batch.seqs:
             if not seq.is_finished:
                 self.allocator.cache_full_blocks(seq)
-                self.allocator.release_outside_window(seq)
         return finished
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -143,4 +148,5 @@ class PagedBatching(Scheduler):
 
 
 def _is_decode(seq: Sequence) -> bool:
-    return seq.num_output_tokens > 0 and seq.num_uncomputed_tokens == 1
+    return (seq.num_output_tokens > 0 and seq.num_uncomputed_tokens == 1
+            and not seq.awaits_last_token)

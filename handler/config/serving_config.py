@@ -135,6 +135,8 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
                                        set(ATTENTION_BACKENDS)),
             linear_backend=r.choice("option.linear_backend", "auto", set(LINEAR_BACKENDS)),
             enforce_eager=r.flag("option.enforce_eager", False),
+            async_scheduling={"auto": None, "true": True, "false": False}[
+                r.choice("option.async_scheduling", "auto", {"auto", "true", "false"})],
             quantize=read_quantize(r),
             tensor_parallel_size=read_tensor_parallel(r),
             seed=r.integer("option.seed", 0, 0),
