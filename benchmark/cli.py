@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     profile.add_argument("--tensor-parallel", type=int, default=1,
                          help="ranks to shard the model over (worker processes)")
+    profile.add_argument("--async-scheduling", choices=("auto", "true", "false"),
+                         default="auto", help="plan step n+1 while step n computes (auto: on "
+                         "CUDA); the phase split syncs at every phase, so compare 'step ms'")
     profile.add_argument("--out", type=Path, help="write profile.json and profile.md here")
 
     random_model = sub.add_parser("random-model", help="a random-weight Llama folder (e.g. 1B "
@@ -303,7 +306,9 @@ def _profile(args: argparse.Namespace) -> int:
                          "--warmup >= 0")
     run = run_profile(args.model_dir or ensure_default_model(), sizes, args.steps, args.warmup,
                       args.strategy, args.dtype, args.device,
-                      tensor_parallel=args.tensor_parallel)
+                      tensor_parallel=args.tensor_parallel,
+                      async_scheduling={"auto": None, "true": True, "false": False}[
+                          args.async_scheduling])
     print(run.table())
     if args.out:
         run.save(args.out)

@@ -47,6 +47,7 @@ class ProfileRun:
     prompt_tokens: int
     rows: list[StepProfile]
     tensor_parallel: int = 1
+    async_scheduling: bool = False
 
     def table(self) -> str:
         head = ["step", "batch", "tokens", "step ms", *(f"{p} ms" for p in PHASES),
@@ -68,13 +69,15 @@ class ProfileRun:
         (out_dir / "profile.md").write_text(
             f"Step anatomy: {self.model} on {self.device} ({self.dtype}), strategy "
             f"{self.strategy}, {self.prompt_tokens}-token prompts, tensor parallel "
-            f"{self.tensor_parallel}; medians.\n\n"
+            f"{self.tensor_parallel}, asynchronous scheduling "
+            f"{'on' if self.async_scheduling else 'off'}; medians.\n\n"
             + self.table() + "\n")
 
 
 def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup: int = 3,
                 strategy: str = "paged", dtype: str = "auto", device: str = "auto",
-                prompt: str = LMI_WORKLOAD[1].prompt, tensor_parallel: int = 1) -> ProfileRun:
+                prompt: str = LMI_WORKLOAD[1].prompt, tensor_parallel: int = 1,
+                async_scheduling: bool | None = None) -> ProfileRun:
     """Profile prefill and decode steps at each batch size on one engine."""
     from transformers import AutoTokenizer
 
@@ -88,7 +91,8 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
     max_model_len = -(-(len(prompt_ids) + new_tokens + 1) // block_size) * block_size
     config = EngineConfig(model=str(model_dir), batching=strategy, dtype=dtype, device=device,
                           max_num_seqs=max(batch_sizes), max_model_len=max_model_len,
-                          block_size=block_size, tensor_parallel_size=tensor_parallel)
+                          block_size=block_size, tensor_parallel_size=tensor_parallel,
+                          async_scheduling=async_scheduling)
     engine = LLMEngine.from_config(config)
     rows: list[StepProfile] = []
     try:
@@ -98,7 +102,7 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
         engine.close()
     return ProfileRun(str(model_dir), str(engine.runner.device),
                       str(engine.runner.kv_cache.dtype).removeprefix("torch."), strategy,
-                      len(prompt_ids), rows, tensor_parallel)
+                      len(prompt_ids), rows, tensor_parallel, engine.async_scheduling)
 
 
 def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, steps: int,

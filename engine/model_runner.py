@@ -7,7 +7,7 @@ aranges are derived on the device from the uploaded integers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -27,25 +27,9 @@ from engine.parallel.workers import WorkerLost
 from engine.phases import NoPhases, StepPhases
 from engine.sampler import SampledRows, Sampler
 from engine.scheduler.base import ScheduledBatch
-from engine.sequence import PENDING_TOKEN, Sequence
+from engine.sequence import Sequence
 from engine.step_buffer import StepBuffer
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step as the host decided it, before any tensor exists; plain lists, so it pickles
-    to tensor-parallel worker ranks."""
-
-    num_seqs: int
-    ids: list[int]  # [N] packed token ids of every scheduled token
-    positions: list[int]  # [N]
-    slots: list[int]  # [N] KV slot each token writes
-    decodes: list[tuple[int, list[int], int]]  # (packed row, block table, context)
-    prefills: list[tuple[int, int, list[int], int]]  # (row, tokens, block table, context)
-    sample_rows: list[int]  # packed rows whose logits are sampled
-    sampled: list[int]  # which of the batch's sequences they belong to
-    # (packed token, row of the previous step's samples): inputs still on the device
-    carried: tuple[tuple[int, int], ...] = ()
+from engine.step_plan import StepPlan, pack_step
 
 
 class PlanSender(Protocol):
@@ -182,44 +166,9 @@ class ModelRunner:
         return self.padded_decode.fits(plan.num_seqs, -(-widest // self.page_size))
 
     def pack(self, batch: ScheduledBatch) -> StepPlan:
-        """The step's integers, decided on the host: token ids, positions, KV slots, and which
-        rows attend to which pages and get sampled."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decodes: list[tuple[int, list[int], int]] = []  # (packed row, block table, context)
-        prefills: list[tuple[int, int, list[int], int]] = []  # (row, tokens, table, context)
-        sample_rows: list[int] = []
-        sampled: list[int] = []
-        carried: list[tuple[int, int]] = []  # (packed token, previous step's sample row)
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens, strict=True)):
-            start, table, row = seq.num_computed_tokens, seq.block_table, len(ids)
-            end = start + n
-            if seq.token_ids[end - 1] == PENDING_TOKEN:
-                carried.append((row + n - 1, self._carried_row(seq)))
-            if n == 1:
-                ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-                decodes.append((row, table, end))
-            else:
-                ids += seq.token_ids[start:end]
-                positions += range(start, end)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-                prefills.append((row, n, table, end))
-            if end == seq.num_tokens:  # caught up: its next token is sampled
-                sample_rows.append(row + n - 1)
-                sampled.append(i)
-        return StepPlan(len(batch.seqs), ids, positions, slots, decodes, prefills, sample_rows,
-                        sampled, tuple(carried))
-
-    def _carried_row(self, seq: Sequence) -> int:
-        """Where the previous launch sampled `seq`'s pending input (only that one can be)."""
+        """The step's integers, decided on the host (engine/step_plan.py)."""
         owners = self._carry[1] if self._carry is not None else {}
-        if seq.num_pending != 1 or seq.seq_id not in owners:
-            raise RuntimeError(f"{seq}: its input token is pending but not from the last step")
-        return owners[seq.seq_id]
+        return pack_step(batch, self.block_size, owners)
 
     def _stage(self, plan: StepPlan, sampling: list[Sequence] | None, describe: bool = True):
         """Write the plan (and the sampling parameters) into the step buffer, upload it once,

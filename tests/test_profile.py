@@ -55,15 +55,18 @@ def test_profile_reports_prefill_and_decode_per_batch_size(model_dir) -> None:
     assert run.device == "cpu" and run.dtype == "float32"
 
 
-def test_bench_profile_writes_its_table_and_json(model_dir, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("ahead", ["false", "true"])
+def test_bench_profile_writes_its_table_and_json(model_dir, tmp_path, capsys, ahead) -> None:
     code = bench_main(["profile", "--model-dir", str(model_dir), "--batch-sizes", "2",
                        "--steps", "2", "--warmup", "0", "--dtype", "float32", "--device", "cpu",
-                       "--out", str(tmp_path)])
+                       "--async-scheduling", ahead, "--out", str(tmp_path)])
     assert code == 0
     assert "| decode | 2 | 2 |" in capsys.readouterr().out
     data = json.loads((tmp_path / "profile.json").read_text())
     assert [r["kind"] for r in data["rows"]] == ["prefill", "decode"]
-    assert "host us/seq" in (tmp_path / "profile.md").read_text()
+    assert data["async_scheduling"] is (ahead == "true")
+    text = (tmp_path / "profile.md").read_text()
+    assert "host us/seq" in text and f"scheduling {'on' if ahead == 'true' else 'off'}" in text
 
 
 def test_bench_profile_refuses_bad_batch_sizes(capsys) -> None:

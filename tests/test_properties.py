@@ -96,6 +96,7 @@ def test_rolling_batch_with_batch_size_is_an_error() -> None:
     ("option.kv_cache_memory=lots", "option.kv_cache_memory='lots'"),
     ("option.max_model_len=0", "option.max_model_len='0'"),
     ("option.linear_backend=blas", "option.linear_backend='blas'"),
+    ("option.async_scheduling=yes", "option.async_scheduling='yes'"),
 ])
 def test_bad_values_name_key_value_source_and_allowed(text, key) -> None:
     with pytest.raises(ConfigError) as err:
@@ -113,6 +114,9 @@ def test_sizes_and_types() -> None:
     assert cfg.predict_timeout == 9.5
     assert cfg.engine.linear_backend == "auto"
     assert resolve("option.linear_backend=aten").engine.linear_backend == "aten"
+    assert resolve("").engine.async_scheduling is None  # auto: on with CUDA
+    assert resolve("option.async_scheduling=true").engine.async_scheduling is True
+    assert resolve("option.async_scheduling=FALSE").engine.async_scheduling is False
 
 
 def test_unknown_keys_warn_and_lmi_no_op_keys_say_why(caplog) -> None:

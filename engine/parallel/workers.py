@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from engine.model_runner import StepPlan
+    from engine.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,69 @@
+"""StepPlan: one step as the host decides it (token ids, positions, KV slots, page tables, which
+rows are sampled), in plain integers before any tensor exists. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.scheduler.base import ScheduledBatch
+from engine.sequence import PENDING_TOKEN, Sequence
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as the host decided it, before any tensor exists; plain lists, so it pickles
+    to tensor-parallel worker ranks."""
+
+    num_seqs: int
+    ids: list[int]  # [N] packed token ids of every scheduled token
+    positions: list[int]  # [N]
+    slots: list[int]  # [N] KV slot each token writes
+    decodes: list[tuple[int, list[int], int]]  # (packed row, block table, context)
+    prefills: list[tuple[int, int, list[int], int]]  # (row, tokens, block table, context)
+    sample_rows: list[int]  # packed rows whose logits are sampled
+    sampled: list[int]  # which of the batch's sequences they belong to
+    # (packed token, row of the previous step's samples): inputs still on the device
+    carried: tuple[tuple[int, int], ...] = ()
+
+
+def pack_step(batch: ScheduledBatch, block_size: int,
+              last_sampled: dict[int, int]) -> StepPlan:
+    """The step's integers: token ids, positions, KV slots, and which rows attend to which pages
+    and get sampled. `last_sampled` (seq id -> row) says where the previous launch sampled each
+    sequence: a pending input is read from there on the device."""
+    bs = block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    decodes: list[tuple[int, list[int], int]] = []  # (packed row, block table, context)
+    prefills: list[tuple[int, int, list[int], int]] = []  # (row, tokens, table, context)
+    sample_rows: list[int] = []
+    sampled: list[int] = []
+    carried: list[tuple[int, int]] = []  # (packed token, previous step's sample row)
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens, strict=True)):
+        start, table, row = seq.num_computed_tokens, seq.block_table, len(ids)
+        end = start + n
+        if seq.token_ids[end - 1] == PENDING_TOKEN:
+            carried.append((row + n - 1, _carried_row(seq, last_sampled)))
+        if n == 1:
+            ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+            decodes.append((row, table, end))
+        else:
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            prefills.append((row, n, table, end))
+        if end == seq.num_tokens:  # caught up: its next token is sampled
+            sample_rows.append(row + n - 1)
+            sampled.append(i)
+    return StepPlan(len(batch.seqs), ids, positions, slots, decodes, prefills, sample_rows,
+                    sampled, tuple(carried))
+
+
+def _carried_row(seq: Sequence, last_sampled: dict[int, int]) -> int:
+    """Where the previous launch sampled `seq`'s pending input (only that one can be pending)."""
+    if seq.num_pending != 1 or seq.seq_id not in last_sampled:
+        raise RuntimeError(f"{seq}: its input token is pending but not from the last step")
+    return last_sampled[seq.seq_id]
