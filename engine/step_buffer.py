@@ -8,8 +8,12 @@ the used prefix; the device views are slices of one persistent device buffer.
 
 int64 throughout: the pool's index ops (index_copy_, gather) and the CPU kernels take int64
 indices, so int32 would cost a cast per use; per-row floats are stored as float64 bit patterns
-in the same buffer. Reuse is safe because a step ends with its device-to-host copy of the sampled
-tokens, which orders this step's upload before the next step's writes.
+in the same buffer.
+
+On a separate device the host side alternates between two buffers: under asynchronous
+scheduling step n+1 is packed while step n's upload may still be reading its buffer. The one
+before (step n-1's) is free by then: the engine has waited for step n-1's download, which the
+stream orders after its upload.
 """
 
 from __future__ import annotations
@@ -36,21 +40,33 @@ class StepBuffer:
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
-        on_cpu = self.device.type == "cpu"
         # [capacity] int64; the device buffer is the host one on CPU (nothing to copy)
-        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=not on_cpu)
+        self.host = self._host_buffer(capacity)
+        self._spare = None if self.device.type == "cpu" else self._host_buffer(capacity)
+        self._view_host()
+        self.dev = self.host if self._spare is None else torch.zeros(
+            capacity, dtype=torch.int64, device=self.device)
+
+    def _host_buffer(self, capacity: int) -> torch.Tensor:
+        return torch.zeros(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
+    def _view_host(self) -> None:
         self._ints = self.host.numpy()
         self._floats = self._ints.view(np.float64)
-        self.dev = self.host if on_cpu else torch.zeros(capacity, dtype=torch.int64,
-                                                        device=self.device)
 
     @property
     def capacity(self) -> int:
         return self.host.numel()
 
     def reset(self) -> None:
+        """Start a step's sections (on a separate device, in the other host buffer)."""
         self._sections.clear()
         self._used = 0
+        if self._spare is not None:
+            self.host, self._spare = self._spare, self.host
+            if self.host.numel() < self._spare.numel():  # the other one grew meanwhile
+                self.host = self._host_buffer(self._spare.numel())
+            self._view_host()
 
     def put(self, name: str, values: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
             shape: tuple[int, ...] | None = None) -> None:

@@ -17,6 +17,7 @@ from engine import EngineClient, GenerationRequest, SamplingParams
 from engine.async_check import choose_async_scheduling
 from engine.guided import GuidedSpec
 from engine.sampler import SampledRows
+from engine.step_buffer import StepBuffer
 from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 
@@ -241,3 +242,23 @@ def test_served_requests_stream_generate_tokens_planned_ahead(tiny) -> None:
         client.shutdown(grace_seconds=0)
     assert [[e.token_id for e in events if e.token_id is not None] for events in streams] == refs
     assert all(events[-1].finish_reason == "length" for events in streams)
+
+
+def test_a_separate_device_packs_each_step_in_the_other_host_buffer() -> None:
+    """Step n+1 is packed while step n's upload may still read its host buffer: on a device
+    other than the CPU (meta stands for CUDA here) consecutive steps never share one, and a
+    step that grows the buffer leaves the previous step's values alone."""
+    buffer = StepBuffer(torch.device("meta"), capacity=8)
+    steps = [[1, 2, 3], [4, 5], [6, 7, 8, 9], list(range(10, 30)), [30, 31]]
+    previous: tuple[torch.Tensor, list[int]] | None = None
+    for values in steps:
+        buffer.reset()
+        buffer.put("tokens", values)
+        assert buffer.upload()["tokens"].shape == (len(values),)
+        if previous is not None:
+            host, written = previous
+            assert buffer.host.data_ptr() != host.data_ptr()
+            assert host[:len(written)].tolist() == written, "the step in flight was overwritten"
+        previous = buffer.host, values
+    on_cpu = StepBuffer(torch.device("cpu"))
+    assert on_cpu.dev is on_cpu.host  # one buffer: the CPU computes it before the next step
