@@ -12,12 +12,12 @@ from engine.async_check import choose_async_scheduling
 from engine.config import EngineConfig
 from engine.guided import GuidedDecoding
 from engine.inputs import GenerationRequest, RequestLimits
-from engine.kv.budget import build_allocator, max_concurrency
+from engine.kv.budget import max_concurrency
 from engine.output_processor import OutputProcessor, StepOutput
 from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
 from engine.phases import NoPhases, StepPhases
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SCHEDULERS, ScheduledBatch, Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler, build_scheduler
 from engine.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
@@ -91,8 +91,7 @@ class LLMEngine:
         except BaseException:
             close_runner(runner)
             raise
-        scheduler = SCHEDULERS[config.batching](
-            config, build_allocator(config, plan, spec.sliding_window))
+        scheduler = build_scheduler(config, plan, spec, max_model_len)
         device, dtype = runner.device, runner.kv_cache.dtype
         eos = eos_token_ids(Path(config.model), tokenizer)
         logger.info("engine ready: %s on %s/%s, strategy %s, max_model_len %d%s",

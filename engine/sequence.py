@@ -75,6 +75,8 @@ class Sequence:
         self.constraint: Constraint | None = None
         # Trailing PENDING_TOKENs: sampled on the device, not yet known to the host.
         self.num_pending = 0
+        # Its KV is rotated with LongRoPE's long factors (set by the scheduler, Phi-3).
+        self.long_rope = False
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "

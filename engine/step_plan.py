@@ -26,11 +26,12 @@ class StepPlan:
     carried: tuple[tuple[int, int], ...] = ()
 
 
-def pack_step(batch: ScheduledBatch, block_size: int,
-              last_sampled: dict[int, int]) -> StepPlan:
+def pack_step(batch: ScheduledBatch, block_size: int, last_sampled: dict[int, int],
+              long_rope_rows: int = 0) -> StepPlan:
     """The step's integers: token ids, positions, KV slots, and which rows attend to which pages
     and get sampled. `last_sampled` (seq id -> row) says where the previous launch sampled each
-    sequence: a pending input is read from there on the device."""
+    sequence: a pending input is read from there on the device. The positions of a sequence
+    in LongRoPE's long mode are shifted by `long_rope_rows`: they index the long RoPE rows."""
     bs = block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -47,12 +48,13 @@ def pack_step(batch: ScheduledBatch, block_size: int,
             carried.append((row + n - 1, _carried_row(seq, last_sampled)))
         if n == 1:
             ids.append(seq.token_ids[start])
-            positions.append(start)
+            positions.append(start + long_rope_rows * seq.long_rope)
             slots.append(table[start // bs] * bs + start % bs)
             decodes.append((row, table, end))
         else:
             ids += seq.token_ids[start:end]
-            positions += range(start, end)
+            shift = long_rope_rows * seq.long_rope
+            positions += range(start + shift, end + shift)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             prefills.append((row, n, table, end))
         if end == seq.num_tokens:  # caught up: its next token is sampled

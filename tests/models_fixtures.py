@@ -44,10 +44,18 @@ ARCH_CONFIGS = {
     "mistral": (MistralConfig, {"num_key_value_heads": 2, "sliding_window": 12}),
     "qwen2": (Qwen2Config, {"num_key_value_heads": 2}),
     "qwen3": (Qwen3Config, {"num_key_value_heads": 2, "head_dim": 16}),
+    "phi3": (Phi3Config, {"num_key_value_heads": 2}),
+    # Phi-4-mini's shape (tied; part of each head rotated), LongRoPE past 34 tokens
+    "phi3_longrope": (Phi3Config, {
+        "num_key_value_heads": 1, "tie_word_embeddings": True,
+        "original_max_position_embeddings": 34,
+        "rope_parameters": {"rope_type": "longrope", "partial_rotary_factor": 0.5,
+                            "short_factor": [1.0, 1.3, 1.9, 2.6],
+                            "long_factor": [2.0, 3.5, 5.0, 9.0],
+                            "original_max_position_embeddings": 34}}),
     # not native: served through the transformers fallback (engine/models/hf_fallback.py)
     "gpt_neox": (GPTNeoXConfig, {}),
     "opt": (OPTConfig, {"ffn_dim": 128, "word_embed_proj_dim": 64}),
-    "phi3": (Phi3Config, {"num_key_value_heads": 2}),
     "gemma": (GemmaConfig, {"num_key_value_heads": 1, "head_dim": 16}),
     "gpt2": (GPT2Config, {}),
     # logit soft-capping on every layer, a sliding window on every other one

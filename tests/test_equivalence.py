@@ -13,7 +13,7 @@ from engine import SamplingParams
 from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 
-ARCHS = ["llama", "llama_tied_llama3", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama_tied_llama3", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -93,10 +93,19 @@ def test_greedy_matches_transformers_generate_on_gpu(tiny, batching, backend) ->
     assert [r.tokens for r in reqs] == refs
 
 
-def test_layers_mixing_full_and_sliding_window_attention_are_refused(tmp_path) -> None:
+def test_layers_mixing_full_and_sliding_window_attention_take_the_fallback(tmp_path) -> None:
     """Qwen3 with use_sliding_window and max_window_layers: one mask for every layer would be
-    wrong for some of them, so start-up refuses rather than serve different tokens."""
+    wrong for some of them, so auto serves it through the transformers fallback (which attends
+    per layer) and equals generate, and model_impl=native refuses rather than serve other
+    tokens."""
     path = build_tiny_model(tmp_path, arch="qwen3", use_sliding_window=True, sliding_window=8,
                             max_window_layers=1)
     with pytest.raises(ValueError, match="mixes full and sliding-window attention"):
-        make_engine(path, "paged")
+        make_engine(path, "paged", model_impl="native")
+    engine = make_engine(path, "paged")
+    assert type(engine.runner.model).__name__ != "LlamaForCausalLM"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = list(range(5, 25))
+    reqs = [Req("r", prompt, greedy(10))]
+    drive(engine, reqs)
+    assert reqs[0].tokens == hf_greedy(model, prompt, 10)

@@ -203,6 +203,17 @@ def _check_head(model: TransformersModel, arch: str) -> None:
 
 
 def _max_positions(config) -> int:
+    """The longest sequence it may serve. LongRoPE: its original context, since transformers
+    switches factors per forward pass (by the batch's longest position) and drops its cache to
+    recompute, neither of which holds on a shared KV pool."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings",
+                            getattr(config, "original_max_position_embeddings", None))
+        if isinstance(original, int) and original > 0:
+            logger.warning("%s uses LongRoPE: the transformers fallback serves up to its "
+                           "original context, %d tokens", type(config).__name__, original)
+            return original
     for name in ("max_position_embeddings", "n_positions", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:

@@ -21,19 +21,83 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies for rope types default, linear and llama3."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")  # what rope_tables computes
+
+
+def rope_parameters(config: dict) -> dict:
+    """The RoPE settings (transformers 5's `rope_parameters`, or the older `rope_scaling`)."""
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def rotary_dim(config: dict, head_dim: int) -> int:
+    """How many leading dimensions of each head RoPE rotates (Phi-4-mini: 3/4 of them)."""
+    factor = rope_parameters(config).get("partial_rotary_factor",
+                                         config.get("partial_rotary_factor", 1.0))
+    return int(head_dim * factor)
+
+
+def rope_tables(config: dict, head_dim: int, max_positions: int,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [P, rotary_dim] float32, P = max_positions; for LongRoPE (Phi-3) [2P, R]: rows
+    P + p rotate position p with the long factors (the rows of a sequence longer than
+    `long_rope_after`), rows p with the short ones; both scaled by its attention factor."""
+    dim = rotary_dim(config, head_dim)
+    positions = torch.arange(max_positions, dtype=torch.float32, device=device)  # [P]
+    if rope_type(config) == "longrope":
+        short, long, scale = _longrope(config, dim)
+        freqs = torch.cat([torch.outer(positions, short.to(device)),
+                           torch.outer(positions, long.to(device))])  # [2P, dim / 2]
+    else:
+        freqs, scale = torch.outer(positions, rope_inv_freq(config, dim).to(device)), 1.0
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def long_rope_after(config: dict) -> int | None:
+    """LongRoPE's original context: longer sequences use the long factors (None: not LongRoPE)."""
+    if rope_type(config) != "longrope":
+        return None
+    return rope_parameters(config).get("original_max_position_embeddings",
+                                       config.get("original_max_position_embeddings"))
+
+
+def rope_type(config: dict) -> str:
+    rope = rope_parameters(config)
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def _theta(config: dict) -> float:
+    return rope_parameters(config).get("rope_theta", config.get("rope_theta", 10000.0))
+
+
+def rope_inv_freq(config: dict, dim: int) -> torch.Tensor:
+    """[dim / 2] float32 inverse frequencies for rope types default, linear and llama3."""
+    rope, kind = rope_parameters(config), rope_type(config)
+    inv_freq = 1.0 / (_theta(config) ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
+                                         / dim))
     if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / rope["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, rope)
-    raise ValueError(f"rope type {kind!r} is not supported; supported: default, linear, llama3")
+    raise ValueError(f"rope type {kind!r} is not supported; supported: default, linear, llama3, "
+                     "longrope")
+
+
+def _longrope(config: dict, dim: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(short inv_freq, long inv_freq, attention factor), as transformers computes them."""
+    rope = rope_parameters(config)
+    original = long_rope_after(config)
+    factor = rope.get("factor") or config["max_position_embeddings"] / original
+    scale = rope.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    base = _theta(config) ** shape
+    short = 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32) * base)
+    long = 1.0 / (torch.tensor(rope["long_factor"], dtype=torch.float32) * base)
+    return short, long, scale
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:

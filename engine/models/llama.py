@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE, GQA, SwiGLU; packed
-tokens. Qwen3 adds an RMSNorm over each q and k head before RoPE."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3): RMSNorm, RoPE, GQA, SwiGLU;
+packed tokens. Qwen3 adds an RMSNorm over each q and k head before RoPE; Phi-3 stores q/k/v and
+gate/up fused in its checkpoint, may rotate part of each head and scale RoPE with LongRoPE."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from torch import nn
 
 from engine.attention.reference import AttentionMetadata, store_kv
 from engine.models.cpu_fused import FusedCpuOps
-from engine.models.layers import RMSNorm, apply_rope, rope_inv_freq
+from engine.models.layers import (
+    ROPE_TYPES,
+    RMSNorm,
+    apply_rope,
+    long_rope_after,
+    rope_tables,
+    rope_type,
+    rotary_dim,
+)
 from engine.models.linear import linear_factory, pack_linears, packed_checked
 from engine.models.spec import ModelSpec
 from engine.parallel.shard import Shard, rows_of_heads
@@ -40,6 +49,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=mlp_bias)
         self.down_proj = nn.Linear(inter, spec.hidden_size, bias=mlp_bias)
         self.rotated_heads = spec.num_heads + spec.num_kv_heads  # q's and k's
+        self.rotary_dim = rotary_dim(config, spec.head_dim)  # leading dims of a head rotated
         eps = config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(spec.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
@@ -58,13 +68,20 @@ class DecoderLayer(nn.Module):
         qkv = self._norm_heads(self.qkv_proj(self.input_layernorm(x)))  # [N, (H + 2 Hkv) * D]
         # q and k are rotated in one pass (half the small ops of rotating each on its own)
         qk = qkv[:, :self.rotated_heads * s.head_dim].view(-1, self.rotated_heads, s.head_dim)
-        q, k = apply_rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
+        q, k = self._rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
         v = qkv[:, self.rotated_heads * s.head_dim:].view(-1, s.num_kv_heads, s.head_dim)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # q [N, H, D], k and v [N, Hkv, D]
         attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
         x = x + self._sum(self.o_proj(attn.flatten(1)))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self._sum(self.down_proj(F.silu(gate) * up))
+
+    def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qk [N, heads, D] rotated in its first rotary_dim dimensions (cos/sin [N, 1, R])."""
+        if self.rotary_dim == qk.shape[-1]:
+            return apply_rope(qk, cos, sin)
+        rotated, kept = qk.split([self.rotary_dim, qk.shape[-1] - self.rotary_dim], dim=-1)
+        return torch.cat([apply_rope(rotated, cos, sin), kept], dim=-1)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3's per-head q and k norms, in place in qkv [N, (H + 2 Hkv) * D] (so the fused
@@ -142,11 +159,24 @@ class LlamaForCausalLM(nn.Module):
         """The RoPE tables, computed where the embedding lives (again after a meta-device build).
         NOTE: float32 whatever the model dtype, like transformers' rotary embedding."""
         spec, device = self.spec, self.embed_tokens.weight.device
-        freqs = torch.outer(
-            torch.arange(spec.max_position_embeddings, dtype=torch.float32, device=device),
-            rope_inv_freq(self.config, spec.head_dim).to(device))
-        self.register_buffer("rope_cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)
-        self.register_buffer("rope_sin", torch.cat([freqs, freqs], -1).sin(), persistent=False)
+        cos, sin = rope_tables(self.config, spec.head_dim, spec.max_position_embeddings, device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [positions, rotary_dim]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @staticmethod
+    def unsupported(arch: str, config: dict) -> str | None:
+        """What in this config the native modules cannot run (None: they run all of it)."""
+        act = config.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            return f"its activation {act!r} (native: silu)"
+        kind = rope_type(config)
+        if kind not in ROPE_TYPES:
+            return f"its rope type {kind!r} (native: {', '.join(ROPE_TYPES)})"
+        try:
+            _sliding_window(arch, config)
+        except ValueError as err:
+            return str(err)
+        return None
 
     @staticmethod
     def spec_from_config(arch: str, config: dict) -> ModelSpec:
@@ -159,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             vocab_size=config["vocab_size"],
             max_position_embeddings=config.get("max_position_embeddings", 2048),
-            sliding_window=window)
+            sliding_window=window, rope_long_after=long_rope_after(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
@@ -192,8 +222,10 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     def use_fused_cpu_ops(self, ops: FusedCpuOps | None) -> None:
+        """The C RoPE rotates whole heads: a partly rotated head keeps the PyTorch ops."""
+        whole_heads = rotary_dim(self.config, self.spec.head_dim) == self.spec.head_dim
         for layer in self.layers:
-            layer.fused = ops
+            layer.fused = ops if whole_heads else None
 
     def pack_linears(self, backend: str, batch_hint: int) -> int:
         """Every matmul through a packed CPU backend (engine.models.linear). A tied lm_head gets
@@ -208,41 +240,50 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head, count = tied, count + 1
         return count
 
-    def weight_placement(self, name: str) -> Placement | None:
+    def weight_placements(self, name: str) -> list[Placement]:
         """Where the checkpoint tensor `name` lands on this rank: q/k/v and gate/up are fused
         into one matmul each and split by rows, o/down split by columns, the vocabulary by
-        rows. None: a tensor this model does not keep (a tied lm_head)."""
+        rows. A checkpoint that stores them fused (Phi-3) lands in parts, each sliced for this
+        rank. []: a tensor this model does not keep (a tied lm_head)."""
         name = name.removeprefix("model.")
         if self.tie_word_embeddings and name == "lm_head.weight":
-            return None
+            return []
         full, local, shard = self.full_spec, self.spec, self.shard
         d, everything = full.head_dim, (slice(None),)
         if name in ("embed_tokens.weight", "lm_head.weight"):
-            return Placement(name, 0, (slice(self.vocab.start, self.vocab.stop),))
+            return [Placement(name, 0, (slice(self.vocab.start, self.vocab.stop),))]
         q_rows = rows_of_heads(shard.split(full.num_heads), d)
         kv_rows = rows_of_heads(shard.kv_heads(full.num_heads, full.num_kv_heads), d)
         inter = self.config["intermediate_size"]
         inter_span = shard.split(inter)
         inter_rows = slice(inter_span.start, inter_span.stop)
         q, kv = local.num_heads * d, local.num_kv_heads * d
-        parts = {"self_attn.q_proj": ("qkv_proj", 0, q_rows),
-                 "self_attn.k_proj": ("qkv_proj", q, kv_rows),
-                 "self_attn.v_proj": ("qkv_proj", q + kv, kv_rows),
-                 "mlp.gate_proj": ("gate_up_proj", 0, inter_rows),
-                 "mlp.up_proj": ("gate_up_proj", len(inter_span), inter_rows)}
-        for hf, (ours, offset, rows) in parts.items():
+        full_q, full_kv = full.num_heads * d, full.num_kv_heads * d
+        # checkpoint tensor -> (ours, [(first row we write, rows of it we read)])
+        parts = {"self_attn.q_proj": ("qkv_proj", [(0, q_rows)]),
+                 "self_attn.k_proj": ("qkv_proj", [(q, kv_rows)]),
+                 "self_attn.v_proj": ("qkv_proj", [(q + kv, kv_rows)]),
+                 "self_attn.qkv_proj": ("qkv_proj", [
+                     (0, q_rows), (q, _after(full_q, kv_rows)),
+                     (q + kv, _after(full_q + full_kv, kv_rows))]),
+                 "mlp.gate_proj": ("gate_up_proj", [(0, inter_rows)]),
+                 "mlp.up_proj": ("gate_up_proj", [(len(inter_span), inter_rows)]),
+                 "mlp.gate_up_proj": ("gate_up_proj", [
+                     (0, inter_rows), (len(inter_span), _after(inter, inter_rows))])}
+        for hf, (ours, pieces) in parts.items():
             if f".{hf}." in name:
-                return Placement(name.replace(hf, ours), offset, (rows,))
+                target = name.replace(hf, ours)
+                return [Placement(target, offset, (rows,)) for offset, rows in pieces]
         for hf, ours, columns in (("self_attn.o_proj", "o_proj", q_rows),
                                   ("mlp.down_proj", "down_proj", inter_rows)):
             if f".{hf}." in name:  # row-parallel: the bias is added once, by rank 0
                 target = name.replace(hf, ours)
                 if name.endswith(".bias"):
-                    return Placement(target, 0, everything if shard.rank == 0 else None)
-                return Placement(target, 0, (slice(None), columns))
+                    return [Placement(target, 0, everything if shard.rank == 0 else None)]
+                return [Placement(target, 0, (slice(None), columns))]
         if ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:  # every rank
-            return Placement(name.replace(".self_attn.", "."), 0, everything)
-        return Placement(name, 0, everything)
+            return [Placement(name.replace(".self_attn.", "."), 0, everything)]
+        return [Placement(name, 0, everything)]
 
     def expected_rows(self) -> dict[str, int]:
         """Rows of each parameter the checkpoint must fill (a vocabulary slice's padding rows
@@ -252,6 +293,11 @@ class LlamaForCausalLM(nn.Module):
             if name in rows:
                 rows[name] = len(self.vocab)
         return rows
+
+
+def _after(start: int, rows: slice) -> slice:
+    """`rows` of a part that begins at row `start` of a fused tensor."""
+    return slice(start + rows.start, start + rows.stop)
 
 
 def _sliding_window(arch: str, config: dict) -> int | None:
@@ -265,5 +311,4 @@ def _sliding_window(arch: str, config: dict) -> int | None:
         return None
     if kinds == {"sliding_attention"}:
         return config["sliding_window"]
-    raise ValueError(f"{arch} mixes full and sliding-window attention layers (layer_types); "
-                     "that is not supported natively yet")
+    raise ValueError(f"{arch} mixes full and sliding-window attention layers (layer_types)")

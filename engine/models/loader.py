@@ -74,6 +74,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     if arch not in NATIVE_ARCHITECTURES or model_impl == "transformers":
         return _load_fallback(model_dir, config, arch, dtype, device, shard, trust_remote_code)
     model_cls = _FAMILIES[NATIVE_ARCHITECTURES[arch]]
+    lacking = model_cls.unsupported(arch, config)
+    if lacking is not None:
+        if model_impl == "native":
+            raise ValueError(f"{arch} is native, but not with {lacking} (model_impl=native); "
+                             "model_impl=auto serves it through the transformers fallback")
+        logger.info("%s: the native modules do not run %s; using the transformers fallback",
+                    arch, lacking)
+        return _load_fallback(model_dir, config, arch, dtype, device, shard, trust_remote_code)
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = model_cls(config, model_cls.spec_from_config(arch, config), shard, comm)
@@ -112,13 +120,11 @@ def read_weights(model, files: list[Path]) -> None:
         with safe_open(file, framework="pt", device="cpu") as f:
             names = list(f.keys())
         for name in names:
-            place = model.weight_placement(name)
-            if place is None:
-                continue
-            param = params.get(place.target)
-            if param is None:
-                raise ValueError(f"unexpected weight {name} in checkpoint {file.name}")
-            written[place.target] += _copy_part(file, name, place, param)
+            for place in model.weight_placements(name):
+                param = params.get(place.target)
+                if param is None:
+                    raise ValueError(f"unexpected weight {name} in checkpoint {file.name}")
+                written[place.target] += _copy_part(file, name, place, param)
     missing = [name for name, rows in model.expected_rows().items() if written[name] != rows]
     if missing:
         raise ValueError(f"the checkpoint lacks weights for {', '.join(missing[:4])}"

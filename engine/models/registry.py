@@ -9,6 +9,7 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
 }
 
 # Unpickling a checkpoint can run arbitrary code: only safetensors are loaded.

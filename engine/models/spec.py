@@ -22,6 +22,9 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     sliding_window: int | None
+    # LongRoPE (Phi-3): a sequence longer than this attends with the long factors at every
+    # position, as transformers does (which recomputes the cache when a sequence crosses it).
+    rope_long_after: int | None = None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token over all layers."""

@@ -46,7 +46,7 @@ class ScheduledBatch:
 
 
 class Scheduler(ABC):
-    """Admission policy over one allocator. Subclasses implement schedule() only."""
+    """Admission policy over one allocator. Subclasses implement _pick() only."""
 
     def __init__(self, config: EngineConfig, allocator: KVAllocator,
                  now: Callable[[], float] = time.monotonic) -> None:
@@ -56,6 +56,9 @@ class Scheduler(ABC):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # LongRoPE models: sequences longer than this attend with the long factors, so one that
+        # grows past it recomputes its KV (the engine sets it from the model; None: never).
+        self.long_rope_after: int | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (FIFO)."""
@@ -63,9 +66,28 @@ class Scheduler(ABC):
         seq.arrival_time = self.now()
         self.waiting.append(seq)
 
-    @abstractmethod
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None when nothing can run now."""
+        if self.long_rope_after is None:
+            return self._pick()
+        for seq in list(self.running):  # crossed: its short-rotated KV is recomputed
+            if not seq.long_rope and seq.num_tokens > self.long_rope_after:
+                seq.long_rope = True
+                if seq.num_computed_tokens:
+                    self._recompute(seq)
+        batch = self._pick()
+        for seq in batch.seqs if batch else ():  # the newly admitted: nothing computed yet
+            seq.long_rope = seq.num_tokens > self.long_rope_after
+        return batch
+
+    @abstractmethod
+    def _pick(self) -> ScheduledBatch | None:
+        """The policy: which sequences run which tokens in the next step."""
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Compute a running sequence's KV again from its first token (in place: contiguous
+        KV keeps its slot)."""
+        seq.num_computed_tokens = 0
 
     def postprocess(self, batch: ScheduledBatch,
                     samples: list[SampledToken | None]) -> list[Sequence]:

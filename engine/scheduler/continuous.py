@@ -13,7 +13,7 @@ class ContinuousBatching(Scheduler):
     tokens admitted per step (at least one request is always admitted when a slot is free).
     """
 
-    def schedule(self) -> ScheduledBatch | None:
+    def _pick(self) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
         if budget is None:
             self._admit(max_running=self.config.max_num_seqs)

@@ -12,7 +12,7 @@ class DynamicBatching(Scheduler):
     finished members leave early, but new requests wait until the whole batch is done.
     """
 
-    def schedule(self) -> ScheduledBatch | None:
+    def _pick(self) -> ScheduledBatch | None:
         if not self.running and self._batch_is_due():
             self._admit(max_running=self.config.max_num_seqs)
         return self._run_to_catch_up(self.running)

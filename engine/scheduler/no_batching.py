@@ -8,7 +8,7 @@ from engine.scheduler.base import ScheduledBatch, Scheduler
 class NoBatching(Scheduler):
     """Admits the oldest waiting sequence only when nothing runs."""
 
-    def schedule(self) -> ScheduledBatch | None:
+    def _pick(self) -> ScheduledBatch | None:
         if not self.running:
             self._admit(max_running=1)
         return self._run_to_catch_up(self.running)

@@ -34,7 +34,7 @@ class PagedBatching(Scheduler):
         self.token_budget = config.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET
         self.chunked = config.enable_chunked_prefill
 
-    def schedule(self) -> ScheduledBatch | None:
+    def _pick(self) -> ScheduledBatch | None:
         picked: dict[Sequence, int] = {}
         budget = self.token_budget
         preemptions_before = self.num_preemptions
@@ -129,6 +129,9 @@ class PagedBatching(Scheduler):
             self.running.append(seq)
             picked[seq] = n
             budget -= n
+
+    def _recompute(self, seq: Sequence) -> None:
+        self._preempt(seq)  # its blocks may be shared or freed behind a window: start afresh
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
