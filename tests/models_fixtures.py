@@ -15,11 +15,13 @@ from transformers import (
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     OPTConfig,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB_SIZE = 320
@@ -53,6 +55,11 @@ ARCH_CONFIGS = {
                             "short_factor": [1.0, 1.3, 1.9, 2.6],
                             "long_factor": [2.0, 3.5, 5.0, 9.0],
                             "original_max_position_embeddings": 34}}),
+    # sparse experts: top-2 of 4 (Mixtral renormalises them; this Qwen3-MoE does not)
+    "mixtral": (MixtralConfig, {"num_key_value_heads": 2, "num_local_experts": 4,
+                                "num_experts_per_tok": 2}),
+    "qwen3_moe": (Qwen3MoeConfig, {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     # not native: served through the transformers fallback (engine/models/hf_fallback.py)
     "gpt_neox": (GPTNeoXConfig, {}),
     "opt": (OPTConfig, {"ffn_dim": 128, "word_embed_proj_dim": 64}),

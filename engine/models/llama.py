@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3): RMSNorm, RoPE, GQA, SwiGLU;
-packed tokens. Qwen3 adds an RMSNorm over each q and k head before RoPE; Phi-3 stores q/k/v and
-gate/up fused in its checkpoint, may rotate part of each head and scale RoPE with LongRoPE."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE): RMSNorm,
+RoPE, GQA, SwiGLU; packed tokens. Qwen3 adds an RMSNorm over each q and k head before RoPE;
+Phi-3 stores q/k/v and gate/up fused in its checkpoint, may rotate part of each head and scale
+RoPE with LongRoPE; Mixtral and Qwen3-MoE replace the MLP with sparse experts (moe.py)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,20 @@ from engine.models.layers import (
     rotary_dim,
 )
 from engine.models.linear import linear_factory, pack_linears, packed_checked
+from engine.models.moe import (
+    SparseMoE,
+    dense_layers,
+    is_router_name,
+    moe_settings,
+    parse_expert_name,
+)
 from engine.models.spec import ModelSpec
 from engine.parallel.shard import Shard, rows_of_heads
 
 if TYPE_CHECKING:
     from engine.parallel.comm import Collectives
 
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 class DecoderLayer(nn.Module):
@@ -46,8 +54,11 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, q + 2 * kv, bias=bias)
         self.o_proj = nn.Linear(q, spec.hidden_size, bias=config.get("attention_bias", False))
         mlp_bias = config.get("mlp_bias", False)
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=mlp_bias)
-        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=mlp_bias)
+        moe = moe_settings(config)
+        self.moe = None if moe is None else SparseMoE(spec.hidden_size, inter, moe)
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=mlp_bias)
+            self.down_proj = nn.Linear(inter, spec.hidden_size, bias=mlp_bias)
         self.rotated_heads = spec.num_heads + spec.num_kv_heads  # q's and k's
         self.rotary_dim = rotary_dim(config, spec.head_dim)  # leading dims of a head rotated
         eps = config.get("rms_norm_eps", 1e-6)
@@ -73,8 +84,14 @@ class DecoderLayer(nn.Module):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # q [N, H, D], k and v [N, Hkv, D]
         attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
         x = x + self._sum(self.o_proj(attn.flatten(1)))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self._sum(self.down_proj(F.silu(gate) * up))
+        return x + self._sum(self._mlp(self.post_attention_layernorm(x)))
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] → [N, hidden], this rank's share: SwiGLU, or the sparse experts'."""
+        if self.moe is not None:
+            return self.moe(h)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
     def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qk [N, heads, D] rotated in its first rotary_dim dimensions (cos/sin [N, 1, R])."""
@@ -112,8 +129,7 @@ class DecoderLayer(nn.Module):
         out = self._sum(self.o_proj(attn.flatten(1)))  # [N, hidden]: the norm adds x in place
         h = ops.rms_norm(out, norm2.weight, norm2.eps, residual=x)
         x = out  # x + o_proj(attn), bit for bit (float addition commutes)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self._sum(self.down_proj(F.silu(gate) * up))
+        return x + self._sum(self._mlp(h))
 
 
 @dataclass(frozen=True)
@@ -140,7 +156,10 @@ class LlamaForCausalLM(nn.Module):
         shard = self.shard
         self.config = config
         self.full_spec = spec
-        inter = config["intermediate_size"]
+        moe = moe_settings(config)
+        # the experts' intermediate size for a MoE model: its MLPs are the experts
+        self.inter = inter = moe.inter if moe else config["intermediate_size"]
+        self.graph_safe = moe is None  # expert routing syncs with the host: decode runs eagerly
         shard.check(spec.num_heads, spec.num_kv_heads, inter)
         self.spec = replace(spec, num_heads=len(shard.split(spec.num_heads)),
                             num_kv_heads=len(shard.kv_heads(spec.num_heads, spec.num_kv_heads)))
@@ -169,6 +188,9 @@ class LlamaForCausalLM(nn.Module):
         act = config.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             return f"its activation {act!r} (native: silu)"
+        if dense_layers(config):
+            return "dense MLP layers among its expert layers (mlp_only_layers, " \
+                "decoder_sparse_step)"
         kind = rope_type(config)
         if kind not in ROPE_TYPES:
             return f"its rope type {kind!r} (native: {', '.join(ROPE_TYPES)})"
@@ -231,6 +253,10 @@ class LlamaForCausalLM(nn.Module):
         """Every matmul through a packed CPU backend (engine.models.linear). A tied lm_head gets
         a packed copy of the embedding (vocab x hidden more memory), the lookup keeps the
         original."""
+        if backend == "int8" and self.layers[0].moe is not None:
+            raise ValueError("invalid quantize='int8': the sparse experts of "
+                             f"{self.spec.architecture} hold most of its weights and int8 does "
+                             "not cover them yet; serve it in bf16/fp16")
         tied = None
         if self.lm_head is None:
             tied = packed_checked(linear_factory(backend, batch_hint), self.embed_tokens.weight,
@@ -254,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
             return [Placement(name, 0, (slice(self.vocab.start, self.vocab.stop),))]
         q_rows = rows_of_heads(shard.split(full.num_heads), d)
         kv_rows = rows_of_heads(shard.kv_heads(full.num_heads, full.num_kv_heads), d)
-        inter = self.config["intermediate_size"]
+        inter = self.inter
         inter_span = shard.split(inter)
         inter_rows = slice(inter_span.start, inter_span.stop)
         q, kv = local.num_heads * d, local.num_kv_heads * d
@@ -270,6 +296,11 @@ class LlamaForCausalLM(nn.Module):
                  "mlp.up_proj": ("gate_up_proj", [(len(inter_span), inter_rows)]),
                  "mlp.gate_up_proj": ("gate_up_proj", [
                      (0, inter_rows), (len(inter_span), _after(inter, inter_rows))])}
+        expert = parse_expert_name(name)
+        if expert is not None:
+            return self._expert_placements(name, *expert, inter_rows, len(inter_span))
+        if is_router_name(name):  # every rank routes every token
+            return [Placement(f"layers.{name.split('.')[1]}.moe.gate.weight", 0, everything)]
         for hf, (ours, pieces) in parts.items():
             if f".{hf}." in name:
                 target = name.replace(hf, ours)
@@ -284,6 +315,17 @@ class LlamaForCausalLM(nn.Module):
         if ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:  # every rank
             return [Placement(name.replace(".self_attn.", "."), 0, everything)]
         return [Placement(name, 0, everything)]
+
+    def _expert_placements(self, name: str, expert: int, kind: str, rows: slice,
+                           local_inter: int) -> list[Placement]:
+        """An expert's gate/up rows land in the layer's stacked w13 (gate then up, per expert),
+        its down projection's columns for this rank in w2."""
+        layer = f"layers.{name.split('.')[1]}.moe"
+        if kind == "down":
+            hidden = self.full_spec.hidden_size
+            return [Placement(f"{layer}.w2", expert * hidden, (slice(None), rows))]
+        offset = expert * 2 * local_inter + (local_inter if kind == "up" else 0)
+        return [Placement(f"{layer}.w13", offset, (rows,))]
 
     def expected_rows(self) -> dict[str, int]:
         """Rows of each parameter the checkpoint must fill (a vocabulary slice's padding rows

@@ -10,6 +10,8 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "Phi3ForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
 }
 
 # Unpickling a checkpoint can run arbitrary code: only safetensors are loaded.
