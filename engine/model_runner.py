@@ -231,14 +231,27 @@ class ModelRunner:
 
     def _metadata(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
                   page_spans: list[tuple[int, int]]) -> AttentionMetadata:
+        window = self.spec.sliding_window
+        meta = self._describe(views, decodes, prefills, page_spans, window)
+        others = set(self.spec.layer_windows or ()) - {window}
+        if not others:
+            return meta
+        by_window = {w: self._describe(views, decodes, prefills, page_spans, w) for w in others}
+        return replace(meta, by_window={window: meta, **by_window})
+
+    def _describe(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
+                  page_spans: list[tuple[int, int]], window: int | None) -> AttentionMetadata:
+        """The step for layers attending within `window` (staged for spec.sliding_window)."""
         rows = tuple(
             PrefillRow(row, n, ctx, views["prefill_pages"][a:b],
-                       causal_mask(n, ctx, self.spec.sliding_window, self.device))
+                       causal_mask(n, ctx, window, self.device))
             for (row, n, _, ctx), (a, b) in zip(prefills, page_spans, strict=True))
         decode: dict = {"decode_token_idx": None, "decode_pages": None, "decode_mask": None}
         if decodes:
             pages = views["decode_pages"]  # [B, max_pages]
             token_idx, ctx, lo, order = views["decode"]  # [B] each
+            if window != self.spec.sliding_window:
+                lo = torch.zeros_like(ctx) if window is None else (ctx - window).clamp(min=0)
             pos = torch.arange(pages.shape[1] * self.page_size, device=self.device)  # [T]
             visible = (pos < ctx[:, None]) & (pos >= lo[:, None])  # [B, T]
             decode = {"decode_token_idx": token_idx, "decode_pages": pages,

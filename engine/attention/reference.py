@@ -47,6 +47,12 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None  # [num_decodes] int64: rows by ascending context
     # What the backend derived from this metadata once per step (shared by every layer).
     backend_state: object | None = None
+    # Models whose layers attend within different windows (Gemma 2/3): the metadata per window.
+    by_window: dict[int | None, AttentionMetadata] | None = None
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """What a layer attending within `window` (None: every earlier position) reads."""
+        return self if self.by_window is None else self.by_window[window]
 
 
 class AttentionBackend(ABC):

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from engine.kernels import load_kernels
-from engine.models.layers import apply_rope
+from engine.models.layers import RMSNorm, apply_rope
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,9 @@ def _check(ops: FusedCpuOps, model: torch.nn.Module) -> None:
     assert torch.equal(torch.cat([q, k_cache], 1), rotated), "RoPE differs from PyTorch's"
     assert torch.equal(v_cache.flatten(1), qkv[:, -spec.num_kv_heads * d:]), "V write differs"
     x = torch.randn(n, spec.hidden_size, generator=generator)
-    norm = layer.post_attention_layernorm
+    # the op the kernel replaces (Llama's RMSNorm), whatever norm this model's layers use
+    norm = RMSNorm(spec.hidden_size, layer.post_attention_layernorm.eps)
+    norm.weight.data = torch.randn(spec.hidden_size, generator=generator)
     error = (ops.rms_norm(x.clone(), norm.weight, norm.eps) - norm(x)).abs().max().item()
     assert error <= 1e-5 * norm(x).abs().max().item(), f"RMSNorm differs by {error:.2g}"
     logits = 5 * torch.randn(n, spec.vocab_size, generator=generator)

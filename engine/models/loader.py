@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
 from engine.parallel.shard import Shard
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_FAMILIES = {"llama": LlamaForCausalLM}  # NATIVE_ARCHITECTURES value -> implementation
+# NATIVE_ARCHITECTURES value -> implementation
+_FAMILIES = {"llama": LlamaForCausalLM, "gemma": GemmaForCausalLM}
 
 
 def resolve_device(name: str) -> torch.device:

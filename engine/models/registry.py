@@ -12,6 +12,9 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
 }
 
 # Unpickling a checkpoint can run arbitrary code: only safetensors are loaded.

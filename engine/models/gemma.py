@@ -1,0 +1,179 @@
+"""Gemma 1/2/3 (text) on the Llama runner: the same fused projections, KV pool and sharding,
+with Gemma's differences. RMSNorm scales by (1 + weight) in float32; embeddings are scaled by
+sqrt(hidden); the MLP gates with tanh-approximated GELU; Gemma 2/3 add norms after attention
+and around the MLP, scale queries by query_pre_attn_scalar and alternate sliding-window and full
+layers (each attends through its window's metadata); Gemma 2 soft-caps attention scores
+(explicit attention) and final logits; Gemma 3 norms q and k per head and rotates sliding and
+full layers with RoPE tables of their own."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.explicit import explicit_attention
+from engine.attention.reference import AttentionMetadata, store_kv
+from engine.models.layers import ROPE_TYPES, rope_tables, rope_type
+from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.spec import ModelSpec
+
+ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # -> F.gelu's `approximate`
+_SANDWICHED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: (x * (1 + w)) in float32, then cast: transformers' order for Gemma
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def layer_types(config: dict) -> list[str]:
+    """Each layer's attention: "full_attention" or "sliding_attention" (Gemma 2 alternates from
+    a sliding first layer; Gemma 3 has one full layer in every `sliding_window_pattern`)."""
+    count = config["num_hidden_layers"]
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    if config.get("sliding_window") is None or config["architectures"][0] == "GemmaForCausalLM":
+        return ["full_attention"] * count
+    pattern = config.get("sliding_window_pattern") or 2
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(count)]
+
+
+def rope_config(config: dict, layer_type: str) -> dict:
+    """The config RoPE tables are computed from for one layer type (Gemma 3 rotates sliding
+    layers with a local base; transformers 5 nests both under `rope_parameters`)."""
+    rope = config.get("rope_parameters") or {}
+    if layer_type in rope:
+        return {**config, "rope_parameters": rope[layer_type]}
+    if layer_type == "sliding_attention" and config.get("rope_local_base_freq"):
+        return {**config, "rope_parameters": {"rope_type": "default",
+                                              "rope_theta": config["rope_local_base_freq"]}}
+    return config
+
+
+class GemmaDecoderLayer(DecoderLayer):
+    def __init__(self, spec: ModelSpec, config: dict, inter: int, comm, kind: str) -> None:
+        super().__init__(spec, config, inter, comm)
+        eps, arch = config.get("rms_norm_eps", 1e-6), spec.architecture
+        self.input_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
+        self.sandwiched = arch in _SANDWICHED
+        if self.sandwiched:
+            self.pre_feedforward_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
+            self.post_feedforward_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
+        if arch == "Gemma3ForCausalLM":
+            self.q_norm, self.k_norm = GemmaRMSNorm(spec.head_dim, eps), GemmaRMSNorm(
+                spec.head_dim, eps)
+        scalar = config.get("query_pre_attn_scalar") if self.sandwiched else None
+        self.scale = (scalar or spec.head_dim) ** -0.5
+        self.softcap = config.get("attn_logit_softcapping")
+        self.kind = kind
+        self.window = config["sliding_window"] if kind == "sliding_attention" else None
+        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+        self.approximate = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        s = self.spec
+        qkv = self._norm_heads(self.qkv_proj(self.input_layernorm(x)))  # [N, (H + 2 Hkv) * D]
+        qk = qkv[:, :self.rotated_heads * s.head_dim].view(-1, self.rotated_heads, s.head_dim)
+        q, k = self._rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
+        v = qkv[:, self.rotated_heads * s.head_dim:].view(-1, s.num_kv_heads, s.head_dim)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.softcap is not None:  # no fast kernel caps scores
+            attn = explicit_attention(q, k_cache, v_cache, meta, self.scale, self.softcap,
+                                      self.window)
+        else:
+            mine = meta.for_window(self.window)
+            attn = mine.backend.forward(q, k_cache, v_cache, mine, self.scale)
+        out = self._sum(self.o_proj(attn.flatten(1)))  # [N, hidden]
+        if not self.sandwiched:
+            x = x + out
+            return x + self._sum(self._mlp(self.post_attention_layernorm(x)))
+        x = x + self.post_attention_layernorm(out)
+        mlp = self._sum(self._mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(mlp)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma, Gemma 2 and Gemma 3 (text). Decode runs eagerly where layers mix windows (the
+    padded decode path describes one window)."""
+
+    def __init__(self, config: dict, spec: ModelSpec, shard=None, comm=None) -> None:
+        super().__init__(config, spec, shard, comm)
+        kinds = layer_types(config)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(self.spec, config, self.inter // self.shard.size, comm, kind)
+            for kind in kinds)
+        self.norm = GemmaRMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
+        self.final_softcap = config.get("final_logit_softcapping")
+        self.graph_safe = len({layer.window for layer in self.layers}) == 1
+
+    def init_rope(self) -> None:
+        """One RoPE table per layer type (Gemma 3's sliding layers have a base of their own)."""
+        spec, device = self.spec, self.embed_tokens.weight.device
+        for kind in sorted(set(layer_types(self.config))):  # (before the layers are Gemma's)
+            cos, sin = rope_tables(rope_config(self.config, kind), spec.head_dim,
+                                   spec.max_position_embeddings, device)
+            self.register_buffer(f"rope_cos_{kind}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{kind}", sin, persistent=False)
+
+    @staticmethod
+    def unsupported(arch: str, config: dict) -> str | None:
+        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ACTIVATIONS:
+            return f"its activation {act!r} (native: {', '.join(ACTIVATIONS)})"
+        kinds = set(layer_types(config))
+        if kinds - {"full_attention", "sliding_attention"}:
+            return f"its layer types {sorted(kinds)}"
+        for kind in kinds:
+            if rope_type(rope_config(config, kind)) not in ROPE_TYPES:
+                return f"its rope type {rope_type(rope_config(config, kind))!r}"
+        return None
+
+    @staticmethod
+    def spec_from_config(arch: str, config: dict) -> ModelSpec:
+        flat = {**config, "use_sliding_window": False}  # windows are per layer here
+        spec = LlamaForCausalLM.spec_from_config(arch, flat)
+        windows = tuple(config["sliding_window"] if kind == "sliding_attention" else None
+                        for kind in layer_types(config))
+        if len(set(windows)) == 1:
+            return replace(spec, sliding_window=windows[0])
+        return replace(spec, layer_windows=windows)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [N]; kv_cache [layers, 2, slots, Hkv, D] → hidden [N, hidden]."""
+        x = self._embed(input_ids)
+        x = x * torch.tensor(self.spec.hidden_size ** 0.5, device=x.device).to(x.dtype)
+        tables = {kind: (getattr(self, f"rope_cos_{kind}")[positions].to(x.dtype).unsqueeze(1),
+                         getattr(self, f"rope_sin_{kind}")[positions].to(x.dtype).unsqueeze(1))
+                  for kind in {layer.kind for layer in self.layers}}  # [N, 1, R] each
+        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, *tables[layer.kind], meta, layer_cache[0], layer_cache[1])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)  # [S, vocab] float32
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
+
+    def use_fused_cpu_ops(self, ops) -> None:
+        """The C RMSNorm is Llama's (weight x normalised): Gemma's layers keep PyTorch ops."""
+        for layer in self.layers:
+            layer.fused = None
