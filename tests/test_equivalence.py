@@ -110,3 +110,14 @@ def test_layers_mixing_full_and_sliding_window_attention_take_the_fallback(tmp_p
     reqs = [Req("r", prompt, greedy(10))]
     drive(engine, reqs)
     assert reqs[0].tokens == hf_greedy(model, prompt, 10)
+
+
+def test_preemption_keeps_every_native_family_equal_to_generate(tiny) -> None:
+    """Paged with a pool too small for the batch: sequences are preempted and recomputed, and
+    the tokens still equal transformers'."""
+    path, prompts, new_tokens, refs, _ = tiny
+    reqs = staggered(prompts, new_tokens)
+    engine = make_engine(path, "paged", block_size=4, num_kv_blocks=11)
+    drive(engine, reqs)
+    assert engine.scheduler.num_preemptions > 0
+    assert [r.tokens for r in reqs] == refs
