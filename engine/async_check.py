@@ -20,8 +20,10 @@ _MAX_CHECK_STEPS = 1000
 def choose_async_scheduling(engine) -> bool:
     """Whether `engine` (an LLMEngine) plans each step while the previous one computes."""
     wanted, runner = engine.config.async_scheduling, engine.runner
-    if wanted is None:  # auto: on CPU the forward runs on the host thread: nothing to overlap
-        wanted = runner.device.type == "cuda" and runner.peers is None
+    if wanted is None:  # auto: on CPU the forward runs on the host thread: nothing to overlap;
+        # nor where the forward itself waits for the host (expert routing)
+        wanted = (runner.device.type == "cuda" and runner.peers is None
+                  and not getattr(runner.model, "syncs_host", False))
     if not wanted:
         return False
     if runner.peers is not None:

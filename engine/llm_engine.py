@@ -72,10 +72,11 @@ class LLMEngine:
         self.phases: StepPhases | NoPhases = NoPhases()
         self.output_processor = OutputProcessor(tokenizer)
         self._guided: GuidedDecoding | None = None  # see `guided`
-        self._pending: list[StepOutput] = []  # ended before any step (a grammar that failed)
+        # outputs step_outputs() has not returned yet (also: a grammar that failed at once)
+        self._ready: list[StepOutput] = []
         self.async_scheduling = False  # from_config decides (engine/async_check.py)
         self._in_flight: _InFlight | None = None
-        self._at_risk: list[ScheduledBatch] = []  # what a failing step leaves untrustworthy
+        self._at_risk: list[ScheduledBatch] = []  # scheduled, tokens not read: a failure ends them
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -168,8 +169,8 @@ class LLMEngine:
         if error is not None:
             logger.warning("request %s: its grammar failed: %s", request_id, error[:300])
             self.scheduler.finish(seq, FinishReason.ERROR)
-            self._pending.append(self._output(self._requests[seq.seq_id], None,
-                                              error="the grammar failed to compile"))
+            self._ready.append(self._output(self._requests[seq.seq_id], None,
+                                            error="the grammar failed to compile"))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None) -> StepOutput | None:
@@ -184,12 +185,22 @@ class LLMEngine:
         return self._output(req, None, error=error)
 
     def fail_last_batch(self, error: str) -> list[StepOutput]:
-        """End every request of the step that raised (and of the step launched before it, whose
-        tokens are lost); returns their final outputs."""
-        batches, self._at_risk, self._last_batch, self._in_flight = self._at_risk, [], None, None
+        """End every request of the step that raised; returns what is left to report: the
+        outputs it had produced, then those endings. Under asynchronous scheduling the step
+        launched before it is read first: its tokens stand if the device still gives them
+        (only the next launch failed); otherwise its requests end too."""
+        self._last_batch = None
+        if self._in_flight is not None:
+            try:
+                self._land_in_flight()
+            except Exception:  # noqa: BLE001 - the device failed as well: those requests end
+                logger.exception("the step in flight could not be read either")
+        batches, self._at_risk = self._at_risk, []
         seqs = dict.fromkeys(s for batch in batches for s in batch.seqs)
         ids = [self._requests[s.seq_id].request_id for s in seqs if s.seq_id in self._requests]
-        return [out for rid in ids if (out := self.abort(rid, FinishReason.ERROR, error))]
+        ended = [out for rid in ids if (out := self.abort(rid, FinishReason.ERROR, error))]
+        ready, self._ready = self._ready, []
+        return ready + ended
 
     @property
     def last_batch(self) -> ScheduledBatch | None:
@@ -201,7 +212,7 @@ class LLMEngine:
         return list(self._ids)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._ready)
                 or self._in_flight is not None)
 
     @property
@@ -226,31 +237,27 @@ class LLMEngine:
         self._last_batch = None
         self.phases.start()
         if self.async_scheduling:
-            outputs = self._step_ahead()
+            self._step_ahead()
         else:
             batch = self._schedule()
-            outputs = [] if batch is None else self._land(self._launch(batch))
-        self._at_risk = [self._in_flight.batch] if self._in_flight else []
+            if batch is not None:
+                self._land(self._launch(batch))
         self.phases.mark("postprocess")
-        # taken only now: if the step raised, the next one still reports them
-        pending, self._pending = self._pending, []
-        return pending + outputs
+        ready, self._ready = self._ready, []  # taken only now: a step that raises keeps them
+        return ready
 
-    def _step_ahead(self) -> list[StepOutput]:
+    def _step_ahead(self) -> None:
         """Plan and launch the next step, then read the previous one's tokens while it runs."""
-        outputs: list[StepOutput] = []
-        ahead, self._in_flight = self._in_flight, None
-        if ahead is not None and ahead.blocks_planning:
-            outputs, ahead = self._land(ahead), None
+        if self._in_flight is not None and self._in_flight.blocks_planning:
+            self._land_in_flight()
         batch = self._schedule()
-        if batch is None and ahead is not None:  # its tokens may end sequences or free room
-            outputs, ahead = self._land(ahead), None
+        if batch is None and self._in_flight is not None:  # its tokens may end or free some
+            self._land_in_flight()
             batch = self._schedule()
-        if batch is not None:
-            self._in_flight = self._launch(batch)
-        if ahead is not None:
-            outputs = self._land(ahead)
-        return outputs
+        launched = self._launch(batch) if batch is not None else None
+        if self._in_flight is not None:
+            self._land_in_flight()
+        self._in_flight = launched
 
     def _schedule(self) -> ScheduledBatch | None:
         batch = self._last_batch = self.scheduler.schedule()
@@ -267,11 +274,17 @@ class LLMEngine:
         self.scheduler.advance(batch)
         return _InFlight(batch, result, blocks)
 
-    def _land(self, step: _InFlight) -> list[StepOutput]:
-        """Read a launched step's tokens: append them, retire what they end, report them."""
+    def _land_in_flight(self) -> None:
+        step, self._in_flight = self._in_flight, None
+        self._land(step)
+
+    def _land(self, step: _InFlight) -> None:
+        """Read a launched step's tokens: append them, retire what they end, and queue their
+        outputs (the batch is then no longer at risk)."""
         samples = step.result.tokens()
         self.scheduler.resolve(step.batch, samples)
-        return self._outputs(step.batch, samples)
+        self._at_risk = [batch for batch in self._at_risk if batch is not step.batch]
+        self._ready += self._outputs(step.batch, samples)
 
     def measure_phases(self, phases: StepPhases | NoPhases) -> None:
         """Time each phase of later steps with `phases` (NoPhases turns it off)."""

@@ -168,8 +168,9 @@ class ModelRunner:
     def pack(self, batch: ScheduledBatch) -> StepPlan:
         """The step's integers, decided on the host (engine/step_plan.py)."""
         owners = self._carry[1] if self._carry is not None else {}
-        long_rows = 0 if self.spec.rope_long_after is None else self.spec.max_position_embeddings
-        return pack_step(batch, self.block_size, owners, long_rows)
+        long_rope_rows = (0 if self.spec.rope_long_after is None
+                          else self.spec.max_position_embeddings)
+        return pack_step(batch, self.block_size, owners, long_rope_rows)
 
     def _stage(self, plan: StepPlan, sampling: list[Sequence] | None, describe: bool = True):
         """Write the plan (and the sampling parameters) into the step buffer, upload it once,

@@ -10,10 +10,10 @@ int64 throughout: the pool's index ops (index_copy_, gather) and the CPU kernels
 indices, so int32 would cost a cast per use; per-row floats are stored as float64 bit patterns
 in the same buffer.
 
-On a separate device the host side alternates between two buffers: under asynchronous
-scheduling step n+1 is packed while step n's upload may still be reading its buffer. The one
-before (step n-1's) is free by then: the engine has waited for step n-1's download, which the
-stream orders after its upload.
+On a separate device the host side alternates between two buffers, each with an event recorded
+after its upload: step n+1 is packed while step n's upload may still read its buffer (the host
+runs ahead of the device: asynchronous scheduling, or steps that sample nothing and so never
+wait for a download), and a buffer is written again only once its previous upload is done.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class StepBuffer:
         # [capacity] int64; the device buffer is the host one on CPU (nothing to copy)
         self.host = self._host_buffer(capacity)
         self._spare = None if self.device.type == "cpu" else self._host_buffer(capacity)
+        # CUDA: recorded after the latest upload from `host` / from `_spare`
+        self._uploaded: torch.cuda.Event | None = None
+        self._spare_uploaded: torch.cuda.Event | None = None
         self._view_host()
         self.dev = self.host if self._spare is None else torch.zeros(
             capacity, dtype=torch.int64, device=self.device)
@@ -64,6 +67,9 @@ class StepBuffer:
         self._used = 0
         if self._spare is not None:
             self.host, self._spare = self._spare, self.host
+            self._uploaded, self._spare_uploaded = self._spare_uploaded, self._uploaded
+            if self._uploaded is not None:
+                self._uploaded.synchronize()  # its last upload has left it
             if self.host.numel() < self._spare.numel():  # the other one grew meanwhile
                 self.host = self._host_buffer(self._spare.numel())
             self._view_host()
@@ -85,6 +91,9 @@ class StepBuffer:
         """The one host-to-device copy of the step; views of the device buffer by name."""
         if self.dev is not self.host:
             self.dev[:self._used].copy_(self.host[:self._used], non_blocking=True)
+            if self.device.type == "cuda":
+                self._uploaded = torch.cuda.Event()
+                self._uploaded.record()
         views = {}
         for name, (start, shape, floats) in self._sections.items():
             view = self.dev[start:start + math.prod(shape)]

@@ -178,7 +178,9 @@ def test_an_abort_while_its_token_is_on_the_device_frees_its_kv(tiny) -> None:
     assert allocator.num_free_blocks == allocator.num_blocks
 
 
-def test_a_failing_launch_fails_both_steps_in_flight_and_the_engine_goes_on(tiny) -> None:
+def test_a_failing_launch_ends_its_batch_after_the_step_in_flight_reports(tiny) -> None:
+    """Launching step n+1 fails: step n's tokens still stand and are reported, then the
+    requests of step n+1 end with an error; the engine serves on."""
     path, prompts, new_tokens, refs = tiny
     engine = make_engine(path, "paged", async_scheduling=True)
     engine.add_request("a", prompts[3], greedy(20))
@@ -189,12 +191,42 @@ def test_a_failing_launch_fails_both_steps_in_flight_and_the_engine_goes_on(tiny
     with pytest.raises(RuntimeError):
         engine.step_outputs()
     ended = engine.fail_last_batch("engine failure")
-    assert [(o.request_id, o.finish_reason) for o in ended] == [("a", "error")]
+    assert [(o.request_id, o.finish_reason) for o in ended] == [("a", None), ("a", "error")]
+    assert ended[0].token_id == refs[3][1]  # the second token, computed before the failure
     assert not engine.has_unfinished()
     engine.runner.launch = launch
     reqs = [Req("b", prompts[2], greedy(new_tokens[2]))]
     drive(engine, reqs)
     assert reqs[0].tokens == refs[2]
+
+
+@pytest.mark.parametrize("failing_launch", [2, 3, 4])
+def test_no_request_is_lost_when_a_step_fails_after_another_was_read(tiny,
+                                                                     failing_launch) -> None:
+    """A penalised request makes the engine read step n before planning n+1; if that planning
+    or launch then fails, what step n finished is still reported: every request ends."""
+    path, prompts, _, _ = tiny
+    engine = make_engine(path, "paged", async_scheduling=True)
+    engine.add_request("pen", prompts[1], SamplingParams(max_new_tokens=2, ignore_eos=True,
+                                                         repetition_penalty=1.3))
+    engine.add_request("plain", prompts[2], greedy(6))
+    launch, calls = engine.runner.launch, []
+
+    def failing(batch):
+        calls.append(1)
+        if len(calls) == failing_launch:
+            raise RuntimeError("device lost")
+        return launch(batch)
+    engine.runner.launch = failing
+    finals = {}
+    while engine.has_unfinished():
+        try:
+            outputs = engine.step_outputs()
+        except RuntimeError:
+            outputs = engine.fail_last_batch("engine failure")
+        finals.update({o.request_id: o.finish_reason for o in outputs if o.finish_reason})
+    assert set(finals) == {"pen", "plain"}
+    assert engine.scheduler.allocator.num_free_blocks == engine.scheduler.allocator.num_blocks
 
 
 def test_a_start_up_check_that_disagrees_turns_it_off_loudly(tiny, monkeypatch, caplog) -> None:

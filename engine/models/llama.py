@@ -159,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
         moe = moe_settings(config)
         # the experts' intermediate size for a MoE model: its MLPs are the experts
         self.inter = inter = moe.inter if moe else config["intermediate_size"]
-        self.graph_safe = moe is None  # expert routing syncs with the host: decode runs eagerly
+        self.syncs_host = moe is not None  # expert routing reads the router's choice
+        self.graph_safe = not self.syncs_host  # so decode runs eagerly
         shard.check(spec.num_heads, spec.num_kv_heads, inter)
         self.spec = replace(spec, num_heads=len(shard.split(spec.num_heads)),
                             num_kv_heads=len(shard.kv_heads(spec.num_heads, spec.num_kv_heads)))

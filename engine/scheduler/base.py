@@ -71,12 +71,14 @@ class Scheduler(ABC):
         if self.long_rope_after is None:
             return self._pick()
         for seq in list(self.running):  # crossed: its short-rotated KV is recomputed
-            if not seq.long_rope and seq.num_tokens > self.long_rope_after:
+            if (not seq.long_rope and seq.num_tokens > self.long_rope_after
+                    and not seq.awaits_last_token):  # (it would only be dropped)
                 seq.long_rope = True
                 if seq.num_computed_tokens:
                     self._recompute(seq)
         batch = self._pick()
-        for seq in batch.seqs if batch else ():  # the newly admitted: nothing computed yet
+        # unchanged for those running; the newly admitted have computed nothing yet
+        for seq in batch.seqs if batch else ():
             seq.long_rope = seq.num_tokens > self.long_rope_after
         return batch
 
