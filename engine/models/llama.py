@@ -5,7 +5,7 @@ RoPE with LongRoPE; Mixtral and Qwen3-MoE replace the MLP with sparse experts (m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,15 +24,10 @@ from engine.models.layers import (
     rotary_dim,
 )
 from engine.models.linear import linear_factory, pack_linears, packed_checked
-from engine.models.moe import (
-    SparseMoE,
-    dense_layers,
-    is_router_name,
-    moe_settings,
-    parse_expert_name,
-)
+from engine.models.moe import SparseMoE, dense_layers, moe_settings
+from engine.models.placement import Placement, llama_placements
 from engine.models.spec import ModelSpec
-from engine.parallel.shard import Shard, rows_of_heads
+from engine.parallel.shard import Shard
 
 if TYPE_CHECKING:
     from engine.parallel.comm import Collectives
@@ -130,17 +125,6 @@ class DecoderLayer(nn.Module):
         h = ops.rms_norm(out, norm2.weight, norm2.eps, residual=x)
         x = out  # x + o_proj(attn), bit for bit (float addition commutes)
         return x + self._sum(self._mlp(h))
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a checkpoint tensor lands: our parameter, the first row written, and the part of
-    the tensor this rank reads (None: this rank keeps its zeros, e.g. a row-parallel bias
-    that rank 0 alone adds)."""
-
-    target: str
-    offset: int
-    index: tuple[slice, ...] | None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -268,65 +252,8 @@ class LlamaForCausalLM(nn.Module):
         return count
 
     def weight_placements(self, name: str) -> list[Placement]:
-        """Where the checkpoint tensor `name` lands on this rank: q/k/v and gate/up are fused
-        into one matmul each and split by rows, o/down split by columns, the vocabulary by
-        rows. A checkpoint that stores them fused (Phi-3) lands in parts, each sliced for this
-        rank. []: a tensor this model does not keep (a tied lm_head)."""
-        name = name.removeprefix("model.")
-        if self.tie_word_embeddings and name == "lm_head.weight":
-            return []
-        full, local, shard = self.full_spec, self.spec, self.shard
-        d, everything = full.head_dim, (slice(None),)
-        if name in ("embed_tokens.weight", "lm_head.weight"):
-            return [Placement(name, 0, (slice(self.vocab.start, self.vocab.stop),))]
-        q_rows = rows_of_heads(shard.split(full.num_heads), d)
-        kv_rows = rows_of_heads(shard.kv_heads(full.num_heads, full.num_kv_heads), d)
-        inter = self.inter
-        inter_span = shard.split(inter)
-        inter_rows = slice(inter_span.start, inter_span.stop)
-        q, kv = local.num_heads * d, local.num_kv_heads * d
-        full_q, full_kv = full.num_heads * d, full.num_kv_heads * d
-        # checkpoint tensor -> (ours, [(first row we write, rows of it we read)])
-        parts = {"self_attn.q_proj": ("qkv_proj", [(0, q_rows)]),
-                 "self_attn.k_proj": ("qkv_proj", [(q, kv_rows)]),
-                 "self_attn.v_proj": ("qkv_proj", [(q + kv, kv_rows)]),
-                 "self_attn.qkv_proj": ("qkv_proj", [
-                     (0, q_rows), (q, _after(full_q, kv_rows)),
-                     (q + kv, _after(full_q + full_kv, kv_rows))]),
-                 "mlp.gate_proj": ("gate_up_proj", [(0, inter_rows)]),
-                 "mlp.up_proj": ("gate_up_proj", [(len(inter_span), inter_rows)]),
-                 "mlp.gate_up_proj": ("gate_up_proj", [
-                     (0, inter_rows), (len(inter_span), _after(inter, inter_rows))])}
-        expert = parse_expert_name(name)
-        if expert is not None:
-            return self._expert_placements(name, *expert, inter_rows, len(inter_span))
-        if is_router_name(name):  # every rank routes every token
-            return [Placement(f"layers.{name.split('.')[1]}.moe.gate.weight", 0, everything)]
-        for hf, (ours, pieces) in parts.items():
-            if f".{hf}." in name:
-                target = name.replace(hf, ours)
-                return [Placement(target, offset, (rows,)) for offset, rows in pieces]
-        for hf, ours, columns in (("self_attn.o_proj", "o_proj", q_rows),
-                                  ("mlp.down_proj", "down_proj", inter_rows)):
-            if f".{hf}." in name:  # row-parallel: the bias is added once, by rank 0
-                target = name.replace(hf, ours)
-                if name.endswith(".bias"):
-                    return [Placement(target, 0, everything if shard.rank == 0 else None)]
-                return [Placement(target, 0, (slice(None), columns))]
-        if ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:  # every rank
-            return [Placement(name.replace(".self_attn.", "."), 0, everything)]
-        return [Placement(name, 0, everything)]
-
-    def _expert_placements(self, name: str, expert: int, kind: str, rows: slice,
-                           local_inter: int) -> list[Placement]:
-        """An expert's gate/up rows land in the layer's stacked w13 (gate then up, per expert),
-        its down projection's columns for this rank in w2."""
-        layer = f"layers.{name.split('.')[1]}.moe"
-        if kind == "down":
-            hidden = self.full_spec.hidden_size
-            return [Placement(f"{layer}.w2", expert * hidden, (slice(None), rows))]
-        offset = expert * 2 * local_inter + (local_inter if kind == "up" else 0)
-        return [Placement(f"{layer}.w13", offset, (rows,))]
+        """Where the checkpoint tensor `name` lands on this rank (engine/models/placement.py)."""
+        return llama_placements(self, name)
 
     def expected_rows(self) -> dict[str, int]:
         """Rows of each parameter the checkpoint must fill (a vocabulary slice's padding rows
@@ -336,11 +263,6 @@ class LlamaForCausalLM(nn.Module):
             if name in rows:
                 rows[name] = len(self.vocab)
         return rows
-
-
-def _after(start: int, rows: slice) -> slice:
-    """`rows` of a part that begins at row `start` of a fused tensor."""
-    return slice(start + rows.start, start + rows.stop)
 
 
 def _sliding_window(arch: str, config: dict) -> int | None:
