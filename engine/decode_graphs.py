@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -114,15 +115,25 @@ class PaddedDecode:
         """The padded step from the static inputs → logits [padded, vocab]; no host sync."""
         ids, positions, slots, ctx, lo = self.inputs[:, :padded]  # [padded] each
         pages = self.pages[:padded, :padded_width]  # [padded, padded_width]
-        pos = self.positions[:padded_width * self.page_size]  # [T]
-        visible = ((pos < ctx[:, None]) & (pos >= lo[:, None]))[:, None, None, :]  # [Bp,1,1,T]
         rows = self.rows[:padded]
-        meta = AttentionMetadata(
+        meta = self._describe(slots, pages, rows, ctx, lo)
+        spec = self.model.spec
+        others = set(spec.layer_windows or ()) - {spec.sliding_window}
+        if others:  # layers with windows of their own (Gemma 3): first visible per window
+            meta = replace(meta, by_window={spec.sliding_window: meta, **{
+                w: self._describe(slots, pages, rows, ctx, torch.zeros_like(ctx) if w is None
+                                  else (ctx - w).clamp(min=0)) for w in others}})
+        hidden = self.model(ids, positions, meta, self.kv_cache)  # [padded, hidden]
+        return self.model.compute_logits(hidden)
+
+    def _describe(self, slots: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                  ctx: torch.Tensor, lo: torch.Tensor) -> AttentionMetadata:
+        pos = self.positions[:pages.shape[1] * self.page_size]  # [T]
+        visible = ((pos < ctx[:, None]) & (pos >= lo[:, None]))[:, None, None, :]  # [Bp,1,1,T]
+        return AttentionMetadata(
             slot_mapping=slots, page_size=self.page_size, decode_token_idx=rows,
             decode_pages=pages, decode_mask=visible, prefills=(), backend=self.attention,
             backend_state=(DecodeGroup(rows, pages, visible),))
-        hidden = self.model(ids, positions, meta, self.kv_cache)  # [padded, hidden]
-        return self.model.compute_logits(hidden)
 
 
 # Largest |padded - eager| logit difference allowed, by dtype: padding changes no value, but

@@ -63,13 +63,18 @@ ARCH_CONFIGS = {
     # not native: served through the transformers fallback (engine/models/hf_fallback.py)
     "gpt_neox": (GPTNeoXConfig, {}),
     "opt": (OPTConfig, {"ffn_dim": 128, "word_embed_proj_dim": 64}),
-    "gemma": (GemmaConfig, {"num_key_value_heads": 1, "head_dim": 16}),
+    # Gemma: untied, because a random model with tied embeddings scaled by sqrt(hidden) repeats
+    # one token whatever it attends to, which would prove nothing about windows or norms
+    "gemma": (GemmaConfig, {"num_key_value_heads": 1, "head_dim": 16,
+                            "tie_word_embeddings": False}),
     "gpt2": (GPT2Config, {}),
     # logit soft-capping on every layer, a sliding window on every other one
-    "gemma2": (Gemma2Config, {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 6}),
+    "gemma2": (Gemma2Config, {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 6,
+                              "tie_word_embeddings": False}),
     # a sliding layer (its own RoPE base) and a full one, no soft-capping
     "gemma3": (Gemma3TextConfig, {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 6,
-                                  "layer_types": ["sliding_attention", "full_attention"]}),
+                                  "layer_types": ["sliding_attention", "full_attention"],
+                                  "tie_word_embeddings": False}),
 }
 
 

@@ -17,9 +17,10 @@ from tests.models_fixtures import build_tiny_model
 STRATEGIES = ["none", "dynamic", "continuous", "paged"]
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
 def tiny(request, tmp_path_factory):
-    """(model dir, staggered requests) for an architecture with and without a sliding window."""
+    """(model dir, staggered requests) for an architecture without a sliding window, with one
+    for every layer, and with a sliding and a full layer (their own metadata each)."""
     from transformers import AutoModelForCausalLM
 
     path = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)

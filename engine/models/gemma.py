@@ -110,8 +110,8 @@ class GemmaDecoderLayer(DecoderLayer):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    """Gemma, Gemma 2 and Gemma 3 (text). Decode runs eagerly where layers mix windows (the
-    padded decode path describes one window)."""
+    """Gemma, Gemma 2 and Gemma 3 (text). Gemma 2's soft-capped layers attend explicitly, so
+    its decode runs eagerly (no CUDA graphs)."""
 
     def __init__(self, config: dict, spec: ModelSpec, shard=None, comm=None) -> None:
         super().__init__(config, spec, shard, comm)
@@ -121,7 +121,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
             for kind in kinds)
         self.norm = GemmaRMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
         self.final_softcap = config.get("final_logit_softcapping")
-        self.graph_safe = len({layer.window for layer in self.layers}) == 1
+        # the padded decode path describes each window; explicit attention it does not run
+        self.graph_safe = self.final_softcap is None and not any(
+            layer.softcap is not None for layer in self.layers)
 
     def init_rope(self) -> None:
         """One RoPE table per layer type (Gemma 3's sliding layers have a base of their own)."""
