@@ -151,13 +151,17 @@ class LlamaForCausalLM(nn.Module):
         self.vocab = shard.vocab(spec.vocab_size)  # the token ids of this rank's rows
         vocab_rows = shard.vocab_rows(spec.vocab_size)
         self.tie_word_embeddings = config.get("tie_word_embeddings", False)
-        self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size)
+        # given its (empty) weight, the embedding skips its random init: the checkpoint fills
+        # it, and torch.nn.init.normal_ would import TorchDynamo on first use (~2.5 s of start-up)
+        self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size,
+                                         _weight=torch.empty(vocab_rows, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(self.spec, config, inter // shard.size, comm)
                                     for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             spec.hidden_size, vocab_rows, bias=False)
-        self.init_rope()
+        if self.embed_tokens.weight.device.type != "meta":  # else the loader calls it once real
+            self.init_rope()
 
     def init_rope(self) -> None:
         """The RoPE tables, computed where the embedding lives (again after a meta-device build).
