@@ -20,6 +20,7 @@ from transformers import (
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -58,6 +59,11 @@ ARCH_CONFIGS = {
     # sparse experts: top-2 of 4 (Mixtral renormalises them; this Qwen3-MoE does not)
     "mixtral": (MixtralConfig, {"num_key_value_heads": 2, "num_local_experts": 4,
                                 "num_experts_per_tok": 2}),
+    # Qwen2-MoE: q/k/v biases and a shared expert behind a sigmoid gate, top-k renormalised
+    "qwen2_moe": (Qwen2MoeConfig, {"num_key_value_heads": 2, "num_experts": 4,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "shared_expert_intermediate_size": 48,
+                                   "norm_topk_prob": True}),
     "qwen3_moe": (Qwen3MoeConfig, {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     # not native: served through the transformers fallback (engine/models/hf_fallback.py)

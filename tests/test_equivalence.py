@@ -14,7 +14,7 @@ from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 
 ARCHS = ["llama", "llama_tied_llama3", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope",
-         "mixtral", "qwen3_moe", "gemma", "gemma2", "gemma3"]
+         "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -12,7 +12,7 @@ from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_preempted_and_planned_ahead_expert_models_equal_generate(tmp_path, arch) -> None:
     path = build_tiny_model(tmp_path, arch=arch)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -221,7 +221,8 @@ def test_qwen3_q_and_k_norms_are_kept_whole_on_every_rank(tmp_path) -> None:
     assert tokens == refs
 
 
-@pytest.mark.parametrize("arch", ["phi3", "phi3_longrope", "mixtral", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("arch", ["phi3", "phi3_longrope", "mixtral", "qwen2_moe", "qwen3_moe",
+                                  "gemma3"])
 def test_fused_and_expert_checkpoint_tensors_are_sliced_per_rank(tmp_path, arch) -> None:
     """Phi-3 stores q/k/v and gate/up as one tensor each: every rank reads its heads' rows of
     q, k and v and its share of gate and up out of them (LongRoPE crossing included). MoE

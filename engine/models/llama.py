@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from engine.parallel.comm import Collectives
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
 class DecoderLayer(nn.Module):
@@ -45,12 +46,14 @@ class DecoderLayer(nn.Module):
         self.spec = spec
         self.comm = comm
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        bias = config.get("attention_bias", spec.architecture == "Qwen2ForCausalLM")
+        bias = config.get("attention_bias", config.get(
+            "qkv_bias", spec.architecture in QKV_BIAS_ARCHITECTURES))
         self.qkv_proj = nn.Linear(spec.hidden_size, q + 2 * kv, bias=bias)
         self.o_proj = nn.Linear(q, spec.hidden_size, bias=config.get("attention_bias", False))
         mlp_bias = config.get("mlp_bias", False)
         moe = moe_settings(config)
-        self.moe = None if moe is None else SparseMoE(spec.hidden_size, inter, moe)
+        self.moe = None if moe is None else SparseMoE(
+            spec.hidden_size, inter, moe, moe.shared_inter // (comm.shard.size if comm else 1))
         if self.moe is None:
             self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=mlp_bias)
             self.down_proj = nn.Linear(inter, spec.hidden_size, bias=mlp_bias)
@@ -146,6 +149,8 @@ class LlamaForCausalLM(nn.Module):
         self.syncs_host = moe is not None  # expert routing reads the router's choice
         self.graph_safe = not self.syncs_host  # so decode runs eagerly
         shard.check(spec.num_heads, spec.num_kv_heads, inter)
+        if moe is not None and moe.shared_inter:
+            shard.check(spec.num_heads, spec.num_kv_heads, moe.shared_inter)
         self.spec = replace(spec, num_heads=len(shard.split(spec.num_heads)),
                             num_kv_heads=len(shard.kv_heads(spec.num_heads, spec.num_kv_heads)))
         self.vocab = shard.vocab(spec.vocab_size)  # the token ids of this rank's rows

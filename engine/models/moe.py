@@ -1,5 +1,6 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks the top-k of E SwiGLU
-experts for each token, and their outputs, weighted by the router's probabilities, are summed.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks the top-k of E
+SwiGLU experts for each token, and their outputs, weighted by the router's probabilities, are
+summed; Qwen2-MoE adds a shared expert that every token takes, scaled by a sigmoid gate.
 
 The experts' weights are stacked in two 2-D parameters (expert e's rows start at e x its row
 count), so the loader fills them like any fused tensor and, under tensor parallelism, each rank
@@ -31,6 +32,7 @@ class MoESettings:
     inter: int  # one expert's intermediate size
     renormalise: bool  # the top-k probabilities rescaled to sum to 1
     cast_weights: bool  # the weights cast to the activations' dtype before use
+    shared_inter: int = 0  # the shared expert's intermediate size (Qwen2-MoE; 0: none)
 
 
 def moe_settings(config: dict) -> MoESettings | None:
@@ -39,10 +41,10 @@ def moe_settings(config: dict) -> MoESettings | None:
     experts = config.get("num_experts") or config.get("num_local_experts")
     if not experts:
         return None
-    if config.get("moe_intermediate_size"):  # Qwen3-MoE
+    if config.get("moe_intermediate_size"):  # Qwen2-MoE, Qwen3-MoE
         return MoESettings(experts, config["num_experts_per_tok"],
                            config["moe_intermediate_size"], bool(config.get("norm_topk_prob")),
-                           True)
+                           True, config.get("shared_expert_intermediate_size") or 0)
     # Mixtral: renormalised, weights kept in float32
     return MoESettings(experts, config["num_experts_per_tok"], config["intermediate_size"], True,
                        False)
@@ -71,8 +73,10 @@ def is_router_name(name: str) -> bool:
 class SparseMoE(nn.Module):
     """x [N, hidden] → [N, hidden]: this rank's share of the experts' weighted sum."""
 
-    def __init__(self, hidden: int, inter: int, settings: MoESettings) -> None:
-        """`inter`: this rank's share of each expert's intermediate rows."""
+    def __init__(self, hidden: int, inter: int, settings: MoESettings,
+                 shared_inter: int = 0) -> None:
+        """`inter`, `shared_inter`: this rank's share of each expert's intermediate rows and of
+        the shared expert's."""
         super().__init__()
         num_experts = settings.num_experts
         self.num_experts, self.top_k, self.inter = num_experts, settings.top_k, inter
@@ -80,6 +84,11 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(num_experts * 2 * inter, hidden))  # gate; up rows
         self.w2 = nn.Parameter(torch.empty(num_experts * hidden, inter))  # down
+        self.shared_gate_up = self.shared_down = self.shared_gate = None
+        if settings.shared_inter:
+            self.shared_gate_up = nn.Linear(hidden, 2 * shared_inter, bias=False)
+            self.shared_down = nn.Linear(shared_inter, hidden, bias=False)
+            self.shared_gate = nn.Linear(hidden, 1, bias=False)  # every rank: the same scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x).float(), dim=-1)  # [N, E]
@@ -99,4 +108,7 @@ class SparseMoE(nn.Module):
             gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, w2[expert]) * weights[token, rank, None]
             out.index_add_(0, token, y.to(out.dtype))
+        if self.shared_gate is not None:  # added after the routed experts, as transformers does
+            gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_down(F.silu(gate) * up)
         return out

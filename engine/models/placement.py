@@ -60,6 +60,8 @@ def llama_placements(model: LlamaForCausalLM, name: str) -> list[Placement]:
         return _expert_placements(model, name, *expert, inter_rows, len(inter_span))
     if is_router_name(name):  # every rank routes every token
         return [Placement(f"layers.{name.split('.')[1]}.moe.gate.weight", 0, everything)]
+    if ".mlp.shared_expert" in name:
+        return _shared_expert_placements(model, name)
     for hf, (ours, pieces) in parts.items():
         if f".{hf}." in name:
             target = name.replace(hf, ours)
@@ -86,6 +88,19 @@ def _expert_placements(model: LlamaForCausalLM, name: str, expert: int, kind: st
         return [Placement(f"{layer}.w2", expert * hidden, (slice(None), rows))]
     offset = expert * 2 * local_inter + (local_inter if kind == "up" else 0)
     return [Placement(f"{layer}.w13", offset, (rows,))]
+
+
+def _shared_expert_placements(model: LlamaForCausalLM, name: str) -> list[Placement]:
+    """Qwen2-MoE's shared expert: split like a dense MLP; its sigmoid gate on every rank."""
+    layer = f"layers.{name.split('.')[1]}.moe"
+    if ".mlp.shared_expert_gate." in name:
+        return [Placement(f"{layer}.shared_gate.weight", 0, (slice(None),))]
+    span = model.shard.split(model.config["shared_expert_intermediate_size"])
+    rows = slice(span.start, span.stop)
+    if ".down_proj." in name:
+        return [Placement(f"{layer}.shared_down.weight", 0, (slice(None), rows))]
+    offset = len(span) if ".up_proj." in name else 0
+    return [Placement(f"{layer}.shared_gate_up.weight", offset, (rows,))]
 
 
 def _after(start: int, rows: slice) -> slice:

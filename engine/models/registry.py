@@ -11,6 +11,7 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "llama",
     "Phi3ForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
