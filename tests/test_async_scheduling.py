@@ -294,3 +294,19 @@ def test_a_separate_device_packs_each_step_in_the_other_host_buffer() -> None:
         previous = buffer.host, values
     on_cpu = StepBuffer(torch.device("cpu"))
     assert on_cpu.dev is on_cpu.host  # one buffer: the CPU computes it before the next step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_planned_ahead_on_cuda_gives_generate_greedy_tokens(tiny, enforce_eager) -> None:
+    """On a GPU the overlap is real (non-blocking copies, events, graphs): the same tokens as
+    generate on CUDA, with and without CUDA graphs for decode."""
+    path, prompts, new_tokens, _ = tiny
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    refs = [hf_greedy(model, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
+    engine = make_engine(path, "paged", device="cuda", async_scheduling=True,
+                         enforce_eager=enforce_eager, max_num_batched_tokens=8)
+    assert engine.async_scheduling
+    reqs = staggered(prompts, new_tokens)
+    drive(engine, reqs)
+    assert [r.tokens for r in reqs] == refs
