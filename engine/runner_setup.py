@@ -68,6 +68,8 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
         ops = fused_ops_for(model, dtype, runner.attention.name)
         model.use_fused_cpu_ops(ops)
         runner.sampler.greedy = ops.greedy if ops is not None else None
+    if hasattr(model, "use_dense_moe_decode"):  # expert models: graph-safe decode on GPUs
+        model.use_dense_moe_decode(device.type == "cuda" or config.padded_decode_on_cpu)
     eager = config.enforce_eager or not getattr(model, "graph_safe", True)
     graphs = prepare_decode_graphs(runner, eager, config.max_num_seqs,
                                    max_model_len, config.padded_decode_on_cpu)

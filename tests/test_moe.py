@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.models.moe import MoESettings, SparseMoE
 from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 
@@ -18,14 +19,45 @@ def test_preempted_and_planned_ahead_expert_models_equal_generate(tmp_path, arch
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [list(range(4 + i, 30 + 3 * i)) for i in range(4)]
     refs = [hf_greedy(model, p, 10) for p in prompts]
-    engine = make_engine(path, "paged", block_size=4, num_kv_blocks=26, async_scheduling=True,
-                         padded_decode_on_cpu=True)
+    engine = make_engine(path, "paged", block_size=4, num_kv_blocks=26, async_scheduling=True)
     assert type(engine.runner.model).__name__ == "LlamaForCausalLM"
-    assert engine.runner.padded_decode is None  # routing reads the host: decode stays eager
+    assert engine.runner.padded_decode is None  # on CPU routing reads the host: eager decode
     reqs = [Req(f"r{i}", p, greedy(10)) for i, p in enumerate(prompts)]
     drive(engine, reqs)
     assert engine.scheduler.num_preemptions > 0
     assert [r.tokens for r in reqs] == refs
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_dense_decode_runs_the_graph_path_and_equals_generate(tmp_path, arch) -> None:
+    """What CUDA does: pure decode steps run every expert on every token, mixed by the router's
+    weights (no host read), through the padded path CUDA graphs replay; prefill stays sparse.
+    The tokens equal generate's (test_dense_and_sparse_experts_agree compares the two ways)."""
+    path = build_tiny_model(tmp_path, arch=arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [list(range(4 + i, 20 + 5 * i)) for i in range(3)]
+    refs = [hf_greedy(model, p, 12) for p in prompts]
+    engine = make_engine(path, "continuous", padded_decode_on_cpu=True)
+    padded = engine.runner.padded_decode
+    assert padded is not None and engine.runner.model.graph_safe
+    assert not engine.runner.model.syncs_host
+    reqs = [Req(f"r{i}", p, greedy(12), i) for i, p in enumerate(prompts)]
+    drive(engine, reqs)
+    assert padded.steps > 0
+    assert [r.tokens for r in reqs] == refs
+
+
+def test_dense_and_sparse_experts_agree() -> None:
+    settings = MoESettings(6, 2, 16, True, False, 24)
+    moe = SparseMoE(32, 16, settings, 24)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=generator))
+    x = torch.randn(7, 32, generator=generator)
+    moe.dense_decode = True
+    dense, sparse = moe(x, decode_only=True), moe(x, decode_only=False)
+    assert torch.allclose(dense, sparse, atol=1e-5, rtol=1e-5)
 
 
 def test_int8_and_dense_layers_among_experts_are_refused_or_take_the_fallback(tmp_path) -> None:

@@ -104,7 +104,7 @@ class GemmaDecoderLayer(DecoderLayer):
         mlp = self._sum(self._mlp(self.pre_feedforward_layernorm(x)))
         return x + self.post_feedforward_layernorm(mlp)
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, decode_only: bool = False) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
 

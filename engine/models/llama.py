@@ -82,12 +82,12 @@ class DecoderLayer(nn.Module):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # q [N, H, D], k and v [N, Hkv, D]
         attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
         x = x + self._sum(self.o_proj(attn.flatten(1)))
-        return x + self._sum(self._mlp(self.post_attention_layernorm(x)))
+        return x + self._sum(self._mlp(self.post_attention_layernorm(x), not meta.prefills))
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, decode_only: bool = False) -> torch.Tensor:
         """[N, hidden] → [N, hidden], this rank's share: SwiGLU, or the sparse experts'."""
         if self.moe is not None:
-            return self.moe(h)
+            return self.moe(h, decode_only)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
         out = self._sum(self.o_proj(attn.flatten(1)))  # [N, hidden]: the norm adds x in place
         h = ops.rms_norm(out, norm2.weight, norm2.eps, residual=x)
         x = out  # x + o_proj(attn), bit for bit (float addition commutes)
-        return x + self._sum(self._mlp(h))
+        return x + self._sum(self._mlp(h, not meta.prefills))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -146,8 +146,10 @@ class LlamaForCausalLM(nn.Module):
         moe = moe_settings(config)
         # the experts' intermediate size for a MoE model: its MLPs are the experts
         self.inter = inter = moe.inter if moe else config["intermediate_size"]
-        self.syncs_host = moe is not None  # expert routing reads the router's choice
-        self.graph_safe = not self.syncs_host  # so decode runs eagerly
+        # expert routing reads the router's choice on the host: decode runs eagerly, unless
+        # use_dense_moe_decode(True)
+        self.syncs_host = moe is not None
+        self.graph_safe = not self.syncs_host
         shard.check(spec.num_heads, spec.num_kv_heads, inter)
         if moe is not None and moe.shared_inter:
             shard.check(spec.num_heads, spec.num_kv_heads, moe.shared_inter)
@@ -236,6 +238,16 @@ class LlamaForCausalLM(nn.Module):
         if self.comm is not None:
             logits = self.comm.gather_vocab(logits, self.full_spec.vocab_size)
         return logits.float()
+
+    def use_dense_moe_decode(self, on: bool) -> None:
+        """Expert models: run pure decode steps densely (moe.py), which makes them graph-safe
+        and free of host reads; otherwise routing reads the host and decode runs eagerly."""
+        if self.layers[0].moe is None:
+            return
+        for layer in self.layers:
+            layer.moe.dense_decode = on
+        self.graph_safe = on
+        self.syncs_host = not on  # (prefill still reads the router's choice)
 
     def use_fused_cpu_ops(self, ops: FusedCpuOps | None) -> None:
         """The C RoPE rotates whole heads: a partly rotated head keeps the PyTorch ops."""

@@ -2,6 +2,13 @@
 SwiGLU experts for each token, and their outputs, weighted by the router's probabilities, are
 summed; Qwen2-MoE adds a shared expert that every token takes, scaled by a sigmoid gate.
 
+Two ways to run the experts. Sparse (prefill, and any step on CPU): each expert the batch uses
+runs on its own tokens, which means reading the router's choice on the host. Dense (pure decode
+steps where `dense_decode` is on: CUDA, or CI's padded path on CPU): every expert runs on every
+token and the router's weights, zero for the experts not chosen, mix them, with no host read, so
+the step can be captured in a CUDA graph and planned ahead. At decode the few tokens make it
+memory-bound: every expert's weights are read once either way.
+
 The experts' weights are stacked in two 2-D parameters (expert e's rows start at e x its row
 count), so the loader fills them like any fused tensor and, under tensor parallelism, each rank
 holds every expert's share of the intermediate rows (its partial sums are all-reduced with the
@@ -81,6 +88,7 @@ class SparseMoE(nn.Module):
         num_experts = settings.num_experts
         self.num_experts, self.top_k, self.inter = num_experts, settings.top_k, inter
         self.renormalise, self.cast_weights = settings.renormalise, settings.cast_weights
+        self.dense_decode = False  # LlamaForCausalLM.use_dense_moe_decode sets it
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(num_experts * 2 * inter, hidden))  # gate; up rows
         self.w2 = nn.Parameter(torch.empty(num_experts * hidden, inter))  # down
@@ -90,7 +98,7 @@ class SparseMoE(nn.Module):
             self.shared_down = nn.Linear(shared_inter, hidden, bias=False)
             self.shared_gate = nn.Linear(hidden, 1, bias=False)  # every rank: the same scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_only: bool = False) -> torch.Tensor:
         probs = F.softmax(self.gate(x).float(), dim=-1)  # [N, E]
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k] each
         if self.renormalise:
@@ -99,6 +107,27 @@ class SparseMoE(nn.Module):
             weights = weights.to(x.dtype)
         w13 = self.w13.view(self.num_experts, 2 * self.inter, -1)  # [E, 2I, hidden]
         w2 = self.w2.view(self.num_experts, -1, self.inter)  # [E, hidden, I]
+        if decode_only and self.dense_decode:
+            out = self._dense(x, weights, chosen, w13, w2)
+        else:
+            out = self._sparse(x, weights, chosen, w13, w2)
+        if self.shared_gate is not None:  # added after the routed experts, as transformers does
+            gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_down(F.silu(gate) * up)
+        return out
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+               w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, mixed by the router's weights; no host read."""
+        mix = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype,
+                          device=x.device).scatter_(1, chosen, weights)  # [N, E]
+        gate, up = torch.matmul(x, w13.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+        y = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2))  # [E, N, hidden]
+        return torch.einsum("ne,enh->nh", mix.to(y.dtype), y).to(x.dtype)
+
+    def _sparse(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """Each expert the batch uses on its own tokens (reads the router's choice)."""
         # [E, k, N]: which (choice, token) pairs each expert serves
         served = F.one_hot(chosen, self.num_experts).permute(2, 1, 0)
         out = torch.zeros_like(x)
@@ -108,7 +137,4 @@ class SparseMoE(nn.Module):
             gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, w2[expert]) * weights[token, rank, None]
             out.index_add_(0, token, y.to(out.dtype))
-        if self.shared_gate is not None:  # added after the routed experts, as transformers does
-            gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_down(F.silu(gate) * up)
         return out
