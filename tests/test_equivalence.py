@@ -94,22 +94,22 @@ def test_greedy_matches_transformers_generate_on_gpu(tiny, batching, backend) ->
     assert [r.tokens for r in reqs] == refs
 
 
-def test_layers_mixing_full_and_sliding_window_attention_take_the_fallback(tmp_path) -> None:
-    """Qwen3 with use_sliding_window and max_window_layers: one mask for every layer would be
-    wrong for some of them, so auto serves it through the transformers fallback (which attends
-    per layer) and equals generate, and model_impl=native refuses rather than serve other
-    tokens."""
+@pytest.mark.parametrize("batching", ["continuous", "paged"])
+def test_layers_mixing_full_and_sliding_window_attention_run_natively(tmp_path,
+                                                                     batching) -> None:
+    """Qwen3 with use_sliding_window and max_window_layers: a full layer and a windowed one,
+    each reading its own window's metadata (eagerly and through the padded decode path)."""
     path = build_tiny_model(tmp_path, arch="qwen3", use_sliding_window=True, sliding_window=8,
                             max_window_layers=1)
-    with pytest.raises(ValueError, match="mixes full and sliding-window attention"):
-        make_engine(path, "paged", model_impl="native")
-    engine = make_engine(path, "paged")
-    assert type(engine.runner.model).__name__ != "LlamaForCausalLM"
+    engine = make_engine(path, batching, padded_decode_on_cpu=True)
+    assert type(engine.runner.model).__name__ == "LlamaForCausalLM"
+    assert engine.runner.spec.layer_windows == (None, 8)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompt = list(range(5, 25))
-    reqs = [Req("r", prompt, greedy(10))]
+    prompts = [list(range(5, 25)), list(range(40, 43))]
+    reqs = [Req(f"r{i}", p, greedy(14), i) for i, p in enumerate(prompts)]
     drive(engine, reqs)
-    assert reqs[0].tokens == hf_greedy(model, prompt, 10)
+    assert engine.runner.padded_decode.steps > 0
+    assert [r.tokens for r in reqs] == [hf_greedy(model, p, 14) for p in prompts]
 
 
 def test_preemption_keeps_every_native_family_equal_to_generate(tiny) -> None:

@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
     down_proj hold this rank's input columns and their outputs are summed over the ranks."""
 
     def __init__(self, spec: ModelSpec, config: dict, inter: int,
-                 comm: Collectives | None = None) -> None:
+                 comm: Collectives | None = None, window: int | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.comm = comm
@@ -63,6 +63,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
         self.scale = spec.head_dim ** -0.5
+        self.window = window  # where layers' windows differ, this one's metadata is read
         self.fused: FusedCpuOps | None = None  # set by use_fused_cpu_ops
         # Qwen3: one RMSNorm over the head dimension for q heads, one for k heads
         self.q_norm = self.k_norm = None
@@ -80,9 +81,14 @@ class DecoderLayer(nn.Module):
         q, k = self._rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
         v = qkv[:, self.rotated_heads * s.head_dim:].view(-1, s.num_kv_heads, s.head_dim)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # q [N, H, D], k and v [N, Hkv, D]
-        attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
+        attn = self._attend(q, k_cache, v_cache, meta)
         x = x + self._sum(self.o_proj(attn.flatten(1)))
         return x + self._sum(self._mlp(self.post_attention_layernorm(x), not meta.prefills))
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        mine = meta.for_window(self.window)
+        return mine.backend.forward(q, k_cache, v_cache, mine, self.scale)
 
     def _mlp(self, h: torch.Tensor, decode_only: bool = False) -> torch.Tensor:
         """[N, hidden] → [N, hidden], this rank's share: SwiGLU, or the sparse experts'."""
@@ -123,7 +129,7 @@ class DecoderLayer(nn.Module):
         qkv = self._norm_heads(self.qkv_proj(ops.rms_norm(x, norm1.weight, norm1.eps)))
         q = ops.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                            self.spec.num_heads)
-        attn = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
+        attn = self._attend(q, k_cache, v_cache, meta)
         out = self._sum(self.o_proj(attn.flatten(1)))  # [N, hidden]: the norm adds x in place
         h = ops.rms_norm(out, norm2.weight, norm2.eps, residual=x)
         x = out  # x + o_proj(attn), bit for bit (float addition commutes)
@@ -162,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
         # it, and torch.nn.init.normal_ would import TorchDynamo on first use (~2.5 s of start-up)
         self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size,
                                          _weight=torch.empty(vocab_rows, spec.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(self.spec, config, inter // shard.size, comm)
-                                    for _ in range(spec.num_layers))
+        windows = spec.layer_windows or [spec.sliding_window] * spec.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(self.spec, config, inter // shard.size, comm,
+                                                 window) for window in windows)
         self.norm = RMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             spec.hidden_size, vocab_rows, bias=False)
@@ -191,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         if kind not in ROPE_TYPES:
             return f"its rope type {kind!r} (native: {', '.join(ROPE_TYPES)})"
         try:
-            _sliding_window(arch, config)
+            layer_windows(config)
         except ValueError as err:
             return str(err)
         return None
@@ -199,7 +206,8 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def spec_from_config(arch: str, config: dict) -> ModelSpec:
         heads = config["num_attention_heads"]
-        window = _sliding_window(arch, config)
+        windows = layer_windows(config)
+        uniform = len(set(windows)) == 1
         return ModelSpec(
             architecture=arch, num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"], num_heads=heads,
@@ -207,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             vocab_size=config["vocab_size"],
             max_position_embeddings=config.get("max_position_embeddings", 2048),
-            sliding_window=window, rope_long_after=long_rope_after(config))
+            sliding_window=windows[0] if uniform else None,
+            layer_windows=None if uniform else tuple(windows),
+            rope_long_after=long_rope_after(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
@@ -286,15 +296,14 @@ class LlamaForCausalLM(nn.Module):
         return rows
 
 
-def _sliding_window(arch: str, config: dict) -> int | None:
-    """The one attention window of every layer (None: full attention). A model whose layers mix
-    full and sliding-window attention (`layer_types`, e.g. Qwen2/3 with use_sliding_window and
-    max_window_layers) is refused rather than run with the wrong mask."""
+def layer_windows(config: dict) -> list[int | None]:
+    """Each layer's attention window (None: every earlier position): Mistral's on every layer,
+    Qwen2/3's on the layers `layer_types` (use_sliding_window, max_window_layers) names."""
+    count = config["num_hidden_layers"]
     if not config.get("use_sliding_window", True) or config.get("sliding_window") is None:
-        return None
-    kinds = set(config.get("layer_types") or ["sliding_attention"])
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"}:
-        return config["sliding_window"]
-    raise ValueError(f"{arch} mixes full and sliding-window attention layers (layer_types)")
+        return [None] * count
+    kinds = config.get("layer_types") or ["sliding_attention"] * count
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"its layer types {sorted(unknown)}")
+    return [config["sliding_window"] if kind == "sliding_attention" else None for kind in kinds]
