@@ -116,24 +116,24 @@ class PaddedDecode:
         ids, positions, slots, ctx, lo = self.inputs[:, :padded]  # [padded] each
         pages = self.pages[:padded, :padded_width]  # [padded, padded_width]
         rows = self.rows[:padded]
-        meta = self._describe(slots, pages, rows, ctx, lo)
         spec = self.model.spec
+        meta = self._describe(slots, pages, rows, ctx, lo, spec.sliding_window)
         others = set(spec.layer_windows or ()) - {spec.sliding_window}
         if others:  # layers with windows of their own (Gemma 3): first visible per window
             meta = replace(meta, by_window={spec.sliding_window: meta, **{
                 w: self._describe(slots, pages, rows, ctx, torch.zeros_like(ctx) if w is None
-                                  else (ctx - w).clamp(min=0)) for w in others}})
+                                  else (ctx - w).clamp(min=0), w) for w in others}})
         hidden = self.model(ids, positions, meta, self.kv_cache)  # [padded, hidden]
         return self.model.compute_logits(hidden)
 
     def _describe(self, slots: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
-                  ctx: torch.Tensor, lo: torch.Tensor) -> AttentionMetadata:
+                  ctx: torch.Tensor, lo: torch.Tensor, window: int | None) -> AttentionMetadata:
         pos = self.positions[:pages.shape[1] * self.page_size]  # [T]
         visible = ((pos < ctx[:, None]) & (pos >= lo[:, None]))[:, None, None, :]  # [Bp,1,1,T]
         return AttentionMetadata(
             slot_mapping=slots, page_size=self.page_size, decode_token_idx=rows,
             decode_pages=pages, decode_mask=visible, prefills=(), backend=self.attention,
-            backend_state=(DecodeGroup(rows, pages, visible),))
+            backend_state=(DecodeGroup(rows, pages, visible),), window=window)
 
 
 # Largest |padded - eager| logit difference allowed, by dtype: padding changes no value, but

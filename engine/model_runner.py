@@ -261,6 +261,6 @@ class ModelRunner:
                       "decode_ctx": ctx, "decode_lo": lo, "decode_order": order}
         meta = AttentionMetadata(
             slot_mapping=views["tokens"][2], page_size=self.page_size, prefills=rows,
-            backend=self.attention, **decode)
+            backend=self.attention, window=window, **decode)
         return replace(meta, backend_state=self.attention.prepare(meta))
 

@@ -47,12 +47,18 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None  # [num_decodes] int64: rows by ascending context
     # What the backend derived from this metadata once per step (shared by every layer).
     backend_state: object | None = None
-    # Models whose layers attend within different windows (Gemma 2/3): the metadata per window.
+    # The window its masks describe (None: every earlier position); for models whose layers
+    # attend within different windows (Gemma 2/3, Qwen with max_window_layers), the metadata of
+    # every window.
+    window: int | None = None
     by_window: dict[int | None, AttentionMetadata] | None = None
 
     def for_window(self, window: int | None) -> AttentionMetadata:
-        """What a layer attending within `window` (None: every earlier position) reads."""
-        return self if self.by_window is None else self.by_window[window]
+        """What a layer attending within `window` reads."""
+        if self.by_window is not None:
+            return self.by_window[window]
+        assert window == self.window, f"a layer with window {window} read window {self.window}"
+        return self
 
 
 class AttentionBackend(ABC):

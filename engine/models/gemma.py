@@ -21,6 +21,15 @@ from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.spec import ModelSpec
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # -> F.gelu's `approximate`
+
+
+def activation(arch: str, config: dict) -> str:
+    """Gemma 2/3 read `hidden_activation`; Gemma 1 reads `hidden_act`, whose "gelu" in the
+    official configs means the tanh approximation (transformers rewrites it so)."""
+    if arch != "GemmaForCausalLM":
+        return config.get("hidden_activation") or "gelu_pytorch_tanh"
+    act = config.get("hidden_act") or "gelu_pytorch_tanh"
+    return "gelu_pytorch_tanh" if act == "gelu" else act
 _SANDWICHED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -45,7 +54,8 @@ def layer_types(config: dict) -> list[str]:
         return list(config["layer_types"])
     if config.get("sliding_window") is None or config["architectures"][0] == "GemmaForCausalLM":
         return ["full_attention"] * count
-    pattern = config.get("sliding_window_pattern") or 2
+    default = 6 if config["architectures"][0] == "Gemma3ForCausalLM" else 2
+    pattern = config.get("sliding_window_pattern") or default
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(count)]
 
 
@@ -55,9 +65,9 @@ def rope_config(config: dict, layer_type: str) -> dict:
     rope = config.get("rope_parameters") or {}
     if layer_type in rope:
         return {**config, "rope_parameters": rope[layer_type]}
-    if layer_type == "sliding_attention" and config.get("rope_local_base_freq"):
-        return {**config, "rope_parameters": {"rope_type": "default",
-                                              "rope_theta": config["rope_local_base_freq"]}}
+    if layer_type == "sliding_attention" and config["architectures"][0] == "Gemma3ForCausalLM":
+        return {**config, "rope_parameters": {
+            "rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10000.0)}}
     return config
 
 
@@ -79,8 +89,7 @@ class GemmaDecoderLayer(DecoderLayer):
         self.softcap = config.get("attn_logit_softcapping")
         self.kind = kind
         self.window = config["sliding_window"] if kind == "sliding_attention" else None
-        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-        self.approximate = ACTIVATIONS[act]
+        self.approximate = ACTIVATIONS[activation(arch, config)]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
@@ -136,7 +145,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def unsupported(arch: str, config: dict) -> str | None:
-        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+        act = activation(arch, config)
         if act not in ACTIVATIONS:
             return f"its activation {act!r} (native: {', '.join(ACTIVATIONS)})"
         kinds = set(layer_types(config))

@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE): RMSNorm,
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen2/3-MoE): RMSNorm,
 RoPE, GQA, SwiGLU; packed tokens. Qwen3 adds an RMSNorm over each q and k head before RoPE;
 Phi-3 stores q/k/v and gate/up fused in its checkpoint, may rotate part of each head and scale
-RoPE with LongRoPE; Mixtral and Qwen3-MoE replace the MLP with sparse experts (moe.py)."""
+RoPE with LongRoPE; the MoE models replace the MLP with sparse experts (moe.py); layers may
+attend within windows of their own (Qwen's max_window_layers)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+QWEN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                             "Qwen3MoeForCausalLM")  # windows only with use_sliding_window
 
 
 class DecoderLayer(nn.Module):
@@ -41,7 +44,8 @@ class DecoderLayer(nn.Module):
     down_proj hold this rank's input columns and their outputs are summed over the ranks."""
 
     def __init__(self, spec: ModelSpec, config: dict, inter: int,
-                 comm: Collectives | None = None, window: int | None = None) -> None:
+                 comm: Collectives | None = None, window: int | None = None,
+                 shared_inter: int = 0) -> None:
         super().__init__()
         self.spec = spec
         self.comm = comm
@@ -53,7 +57,7 @@ class DecoderLayer(nn.Module):
         mlp_bias = config.get("mlp_bias", False)
         moe = moe_settings(config)
         self.moe = None if moe is None else SparseMoE(
-            spec.hidden_size, inter, moe, moe.shared_inter // (comm.shard.size if comm else 1))
+            spec.hidden_size, inter, moe, shared_inter)
         if self.moe is None:
             self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=mlp_bias)
             self.down_proj = nn.Linear(inter, spec.hidden_size, bias=mlp_bias)
@@ -169,8 +173,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size,
                                          _weight=torch.empty(vocab_rows, spec.hidden_size))
         windows = spec.layer_windows or [spec.sliding_window] * spec.num_layers
+        shared = moe.shared_inter // shard.size if moe else 0  # this rank's shared expert rows
         self.layers = nn.ModuleList(DecoderLayer(self.spec, config, inter // shard.size, comm,
-                                                 window) for window in windows)
+                                                 window, shared) for window in windows)
         self.norm = RMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             spec.hidden_size, vocab_rows, bias=False)
@@ -198,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         if kind not in ROPE_TYPES:
             return f"its rope type {kind!r} (native: {', '.join(ROPE_TYPES)})"
         try:
-            layer_windows(config)
+            layer_windows(arch, config)
         except ValueError as err:
             return str(err)
         return None
@@ -206,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def spec_from_config(arch: str, config: dict) -> ModelSpec:
         heads = config["num_attention_heads"]
-        windows = layer_windows(config)
+        windows = layer_windows(arch, config)
         uniform = len(set(windows)) == 1
         return ModelSpec(
             architecture=arch, num_layers=config["num_hidden_layers"],
@@ -296,14 +301,23 @@ class LlamaForCausalLM(nn.Module):
         return rows
 
 
-def layer_windows(config: dict) -> list[int | None]:
-    """Each layer's attention window (None: every earlier position): Mistral's on every layer,
-    Qwen2/3's on the layers `layer_types` (use_sliding_window, max_window_layers) names."""
-    count = config["num_hidden_layers"]
-    if not config.get("use_sliding_window", True) or config.get("sliding_window") is None:
+def layer_windows(arch: str, config: dict) -> list[int | None]:
+    """Each layer's attention window (None: every earlier position), as transformers derives it
+    when config.json has no `layer_types`: Mistral-like models slide on every layer when they
+    have a window; Qwen only with use_sliding_window, on layers >= max_window_layers (Qwen2-MoE:
+    odd-numbered layers below it)."""
+    count, window = config["num_hidden_layers"], config.get("sliding_window")
+    qwen = arch in QWEN_WINDOW_ARCHITECTURES
+    if not window or not config.get("use_sliding_window", not qwen):
         return [None] * count
-    kinds = config.get("layer_types") or ["sliding_attention"] * count
+    kinds = config.get("layer_types")
+    if kinds is None and qwen:
+        limit = config.get("max_window_layers", 28)
+        moe = arch == "Qwen2MoeForCausalLM"
+        kinds = ["sliding_attention" if ((i + 1) % 2 and i < limit if moe else i >= limit)
+                 else "full_attention" for i in range(count)]
+    kinds = kinds or ["sliding_attention"] * count
     unknown = set(kinds) - {"full_attention", "sliding_attention"}
     if unknown:
         raise ValueError(f"its layer types {sorted(unknown)}")
-    return [config["sliding_window"] if kind == "sliding_attention" else None for kind in kinds]
+    return [window if kind == "sliding_attention" else None for kind in kinds]

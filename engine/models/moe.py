@@ -6,8 +6,9 @@ Two ways to run the experts. Sparse (prefill, and any step on CPU): each expert 
 runs on its own tokens, which means reading the router's choice on the host. Dense (pure decode
 steps where `dense_decode` is on: CUDA, or CI's padded path on CPU): every expert runs on every
 token and the router's weights, zero for the experts not chosen, mix them, with no host read, so
-the step can be captured in a CUDA graph and planned ahead. At decode the few tokens make it
-memory-bound: every expert's weights are read once either way.
+the step can be captured in a CUDA graph and planned ahead. For a decode batch of a few tokens
+that costs little (the step is memory-bound: every expert's weights are read once either way);
+for large batches it computes E/k times the chosen experts' FLOPs.
 
 The experts' weights are stacked in two 2-D parameters (expert e's rows start at e x its row
 count), so the loader fills them like any fused tensor and, under tensor parallelism, each rank
@@ -58,7 +59,7 @@ def moe_settings(config: dict) -> MoESettings | None:
 
 
 def dense_layers(config: dict) -> list[int]:
-    """Layers of a MoE config that keep a dense MLP (Qwen3-MoE's mlp_only_layers and
+    """Layers of a MoE config that keep a dense MLP (Qwen2/3-MoE's mlp_only_layers and
     decoder_sparse_step); the native modules serve only configs where this is empty."""
     if moe_settings(config) is None:
         return []

@@ -25,7 +25,8 @@ class ModelSpec:
     # LongRoPE (Phi-3): a sequence longer than this attends with the long factors at every
     # position, as transformers does (which recomputes the cache when a sequence crosses it).
     rope_long_after: int | None = None
-    # Each layer's window where they differ (Gemma 2/3); None: every layer has sliding_window.
+    # Each layer's window where they differ (Gemma 2/3, Qwen with max_window_layers); None:
+    # every layer has sliding_window.
     layer_windows: tuple[int | None, ...] | None = None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
