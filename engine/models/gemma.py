@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.explicit import explicit_attention
-from engine.attention.reference import AttentionMetadata, store_kv
+from engine.attention.reference import AttentionMetadata
 from engine.models.layers import ROPE_TYPES, rope_tables, rope_type
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.spec import ModelSpec
@@ -93,25 +93,21 @@ class GemmaDecoderLayer(DecoderLayer):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        s = self.spec
-        qkv = self._norm_heads(self.qkv_proj(self.input_layernorm(x)))  # [N, (H + 2 Hkv) * D]
-        qk = qkv[:, :self.rotated_heads * s.head_dim].view(-1, self.rotated_heads, s.head_dim)
-        q, k = self._rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
-        v = qkv[:, self.rotated_heads * s.head_dim:].view(-1, s.num_kv_heads, s.head_dim)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if self.softcap is not None:  # no fast kernel caps scores
-            attn = explicit_attention(q, k_cache, v_cache, meta, self.scale, self.softcap,
-                                      self.window)
-        else:
-            mine = meta.for_window(self.window)
-            attn = mine.backend.forward(q, k_cache, v_cache, mine, self.scale)
-        out = self._sum(self.o_proj(attn.flatten(1)))  # [N, hidden]
+        out = self._attention(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
         if not self.sandwiched:
             x = x + out
             return x + self._sum(self._mlp(self.post_attention_layernorm(x)))
         x = x + self.post_attention_layernorm(out)
         mlp = self._sum(self._mlp(self.pre_feedforward_layernorm(x)))
         return x + self.post_feedforward_layernorm(mlp)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.softcap is None:
+            return super()._attend(q, k_cache, v_cache, meta)
+        # no fast kernel caps scores
+        return explicit_attention(q, k_cache, v_cache, meta, self.scale, self.softcap,
+                                  self.window)
 
     def _mlp(self, h: torch.Tensor, decode_only: bool = False) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)

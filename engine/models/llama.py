@@ -78,16 +78,23 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
         if self.fused is not None:
             return self._forward_fused(x, cos, sin, meta, k_cache, v_cache)
+        x = x + self._attention(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self._sum(self._mlp(self.post_attention_layernorm(x), not meta.prefills))
+
+    def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> torch.Tensor:
+        """h [N, hidden] (normed) → o_proj's output [N, hidden], summed over the ranks; writes
+        the step's K and V into the pool."""
         s = self.spec
-        qkv = self._norm_heads(self.qkv_proj(self.input_layernorm(x)))  # [N, (H + 2 Hkv) * D]
+        qkv = self._norm_heads(self.qkv_proj(h))  # [N, (H + 2 Hkv) * D]
         # q and k are rotated in one pass (half the small ops of rotating each on its own)
         qk = qkv[:, :self.rotated_heads * s.head_dim].view(-1, self.rotated_heads, s.head_dim)
         q, k = self._rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
         v = qkv[:, self.rotated_heads * s.head_dim:].view(-1, s.num_kv_heads, s.head_dim)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # q [N, H, D], k and v [N, Hkv, D]
         attn = self._attend(q, k_cache, v_cache, meta)
-        x = x + self._sum(self.o_proj(attn.flatten(1)))
-        return x + self._sum(self._mlp(self.post_attention_layernorm(x), not meta.prefills))
+        return self._sum(self.o_proj(attn.flatten(1)))
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
