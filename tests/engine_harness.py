@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -60,6 +61,29 @@ def drive(engine: LLMEngine, reqs: list[Req], max_steps: int = 5000) -> None:
         pytest.fail("engine did not drain")
     allocator = engine.scheduler.allocator
     assert allocator.num_free_blocks == allocator.num_blocks, "KV leaked after drain"
+
+
+def staggered_requests(prompts: Sequence[list[int]], new_tokens: Sequence[int],
+                       arrivals: Sequence[int]) -> list[Req]:
+    """Greedy requests r0, r1, ... arriving at the given steps: they join and leave."""
+    return [Req(f"r{i}", p, greedy(n), a)
+            for i, (p, n, a) in enumerate(zip(prompts, new_tokens, arrivals, strict=True))]
+
+
+def prompts_with_references(path, seed: int, shared: int, tails: Sequence[int],
+                            lone: Sequence[int], new_tokens: Sequence[int]):
+    """(prompts, transformers' greedy continuations): prompts of one `shared`-token prefix plus
+    tails of the given lengths (prefix caching finds them), then unrelated ones."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(shared)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in tails]
+    prompts += [[rng.randrange(3, vocab) for _ in range(n)] for n in lone]
+    refs = [hf_greedy(model, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
+    return prompts, refs
 
 
 def greedy(n: int) -> SamplingParams:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 
 import pytest
 import torch
@@ -18,28 +17,28 @@ from engine.async_check import choose_async_scheduling
 from engine.guided import GuidedSpec
 from engine.sampler import SampledRows
 from engine.step_buffer import StepBuffer
-from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
+from tests.engine_harness import (
+    Req,
+    drive,
+    greedy,
+    hf_greedy,
+    make_engine,
+    prompts_with_references,
+    staggered_requests,
+)
 from tests.models_fixtures import build_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("async"), arch="llama")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rng = random.Random(11)
-    vocab = model.config.vocab_size
-    shared = [rng.randrange(3, vocab) for _ in range(13)]
-    prompts = [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (0, 4)]
-    prompts += [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 29, 8, 17)]
     new_tokens = [10, 4, 15, 7, 1, 12]
-    refs = [hf_greedy(model, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
+    prompts, refs = prompts_with_references(path, 11, 13, (0, 4), (1, 29, 8, 17), new_tokens)
     return path, prompts, new_tokens, refs
 
 
 def staggered(prompts, new_tokens) -> list[Req]:
-    arrivals = [0, 0, 1, 3, 6, 7]
-    return [Req(f"r{i}", p, greedy(n), a)
-            for i, (p, n, a) in enumerate(zip(prompts, new_tokens, arrivals, strict=True))]
+    return staggered_requests(prompts, new_tokens, [0, 0, 1, 3, 6, 7])
 
 
 def count_launches(engine) -> list[tuple[int, int]]:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams
-from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
+from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine, staggered_requests
 from tests.models_fixtures import build_tiny_model
 
 ARCHS = ["llama", "llama_tied_llama3", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope",
@@ -32,9 +32,7 @@ def tiny(request, tmp_path_factory):
 
 def staggered(prompts, new_tokens) -> list[Req]:
     """Requests arriving at different steps with different lengths: they join and leave."""
-    arrivals = [0, 0, 2, 5, 6, 11]
-    return [Req(f"r{i}", p, greedy(n), a)
-            for i, (p, n, a) in enumerate(zip(prompts, new_tokens, arrivals, strict=True))]
+    return staggered_requests(prompts, new_tokens, [0, 0, 2, 5, 6, 11])
 
 
 STRATEGIES = [

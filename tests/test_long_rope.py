@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
+from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine, staggered_requests
 from tests.models_fixtures import build_tiny_model
 
 ORIGINAL = 34  # the fixture's original_max_position_embeddings
@@ -28,8 +28,7 @@ def phi(tmp_path_factory):
 
 
 def requests(prompts, new_tokens) -> list[Req]:
-    return [Req(f"r{i}", p, greedy(n), i)
-            for i, (p, n) in enumerate(zip(prompts, new_tokens, strict=True))]
+    return staggered_requests(prompts, new_tokens, range(len(prompts)))
 
 
 CASES = [

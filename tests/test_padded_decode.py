@@ -11,7 +11,15 @@ import torch
 from engine import SamplingParams
 from engine.decode_graphs import batch_buckets, width_buckets
 from engine.decode_graphs_setup import check_padded_decode, prepare_decode_graphs
-from tests.engine_harness import MAX_MODEL_LEN, Req, drive, greedy, hf_greedy, make_engine
+from tests.engine_harness import (
+    MAX_MODEL_LEN,
+    Req,
+    drive,
+    greedy,
+    hf_greedy,
+    make_engine,
+    staggered_requests,
+)
 from tests.models_fixtures import build_tiny_model
 
 STRATEGIES = ["none", "dynamic", "continuous", "paged"]
@@ -42,9 +50,7 @@ def padded_engine(path, batching: str, **overrides):
 
 
 def requests(prompts, new_tokens, sampled: bool = False) -> list[Req]:
-    arrivals = [0, 0, 2, 5, 6]
-    reqs = [Req(f"r{i}", p, greedy(n), a)
-            for i, (p, n, a) in enumerate(zip(prompts, new_tokens, arrivals, strict=True))]
+    reqs = staggered_requests(prompts, new_tokens, [0, 0, 2, 5, 6])
     if sampled:
         reqs[1].params = SamplingParams(max_new_tokens=30, do_sample=True, seed=5, top_k=40,
                                         top_p=0.9, temperature=0.7, ignore_eos=True)

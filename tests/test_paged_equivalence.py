@@ -10,28 +10,28 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import RequestError
-from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
+from tests.engine_harness import (
+    Req,
+    drive,
+    greedy,
+    hf_greedy,
+    make_engine,
+    prompts_with_references,
+    staggered_requests,
+)
 from tests.models_fixtures import build_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("paged"), arch="llama")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rng = random.Random(3)
-    vocab = model.config.vocab_size
-    shared = [rng.randrange(3, vocab) for _ in range(21)]
-    prompts = [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (0, 3, 11)]
-    prompts += [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 30, 7)]
     new_tokens = [9, 14, 5, 12, 6, 10]
-    refs = [hf_greedy(model, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
+    prompts, refs = prompts_with_references(path, 3, 21, (0, 3, 11), (1, 30, 7), new_tokens)
     return path, prompts, new_tokens, refs
 
 
 def requests(prompts, new_tokens) -> list[Req]:
-    arrivals = [0, 0, 1, 4, 4, 9]
-    return [Req(f"r{i}", p, greedy(n), a)
-            for i, (p, n, a) in enumerate(zip(prompts, new_tokens, arrivals, strict=True))]
+    return staggered_requests(prompts, new_tokens, [0, 0, 1, 4, 4, 9])
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 16, 256])
