@@ -1,8 +1,8 @@
 """Attention with the score computed explicitly: logit soft-capping (Gemma 2), which neither
 SDPA nor batchyard's kernels take, with the layer's own window. Same pool, pages and metadata as
 the reference; slower (the scores are materialised), so only layers that cap their scores use
-it (native Gemma 2, and the transformers fallback's layers that cap or have a window of their
-own). Native layers with windows of their own read per-window metadata instead.
+it (Gemma 2's, native or through the transformers fallback). Layers with windows of their own
+read per-window metadata instead.
 """
 
 from __future__ import annotations

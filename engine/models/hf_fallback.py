@@ -6,8 +6,9 @@ transformers computes embeddings, RoPE or learned positions, norms and MLPs, and
 hands our registered attention function the new tokens' q, k, v. That function writes k and v
 into the pool at the step's slots and attends with the runner's backend over each sequence's
 pages, so continuous and paged batching, chunked prefill, preemption and prefix caching work
-as for native models. A layer that asks for logit soft-capping or a sliding window of its own
-(Gemma 2/3) attends explicitly (engine/attention/explicit.py). Start-up probes the model once:
+as for native models. A layer that asks for logit soft-capping (Gemma 2) attends explicitly
+(engine/attention/explicit.py); one with a window of its own reads that window's metadata, as
+native layers do. Start-up probes the model once:
 every layer must call the interface with a layer index and the same KV shape; otherwise the
 model is refused with the reason."""
 
@@ -52,17 +53,18 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                                              key.shape[3]),
                       kwargs.get("sliding_window"), ignored))
         return query.transpose(1, 2), None
-    meta, kv_cache, model_window = kwargs[_STEP]
+    meta, kv_cache = kwargs[_STEP]
     layer = kv_cache[module.layer_idx]
     q = query[0].transpose(0, 1).contiguous()  # [N, H, D]
     store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer[0], layer[1],
              meta.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
-    if softcap is not None or window != model_window:  # what the backends do not take
+    if softcap is not None:  # what the backends do not take
         out = explicit_attention(q, layer[0], layer[1], meta, scale, softcap, window)
-    else:  # the step's masks already hold the model-wide window, if any
-        out = meta.backend.forward(q, layer[0], layer[1], meta, scale)
+    else:  # the layer's window: the model's, or its own (the runner describes each)
+        mine = meta.for_window(window)
+        out = mine.backend.forward(q, layer[0], layer[1], mine, scale)
     return out.unsqueeze(0), None
 
 
@@ -90,7 +92,7 @@ class TransformersModel(nn.Module):
         """input_ids, positions [N] → hidden [N, hidden]."""
         out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None],
                                  use_cache=False,
-                                 **{_STEP: (meta, kv_cache, self.spec.sliding_window)})
+                                 **{_STEP: (meta, kv_cache)})
         return out.last_hidden_state[0]
 
     def pack_linears(self, backend: str, batch_hint: int) -> int:
@@ -171,14 +173,18 @@ def _probe_spec(hf: nn.Module, arch: str) -> ModelSpec:
     if ignored:
         raise ValueError(f"architecture {arch} passes its attention {', '.join(ignored)}, "
                          "which batchyard's attention would ignore; it cannot be served")
-    windows = {r[2] for r in reports}  # one for every layer: the step's masks apply it
+    # each layer's window (by layer index): the runner describes the step for each of them
+    windows = tuple(window for _, window in sorted((r[0], r[2]) for r in reports
+                                                   if r[0] is not None))
     shapes = {r[1] for r in reports}
     if len(shapes) != 1:
         raise ValueError(f"architecture {arch} has layers of different attention shapes {shapes}")
     [(heads, kv_heads, head_dim)] = shapes
     vocab = hf.get_output_embeddings().weight.shape[0]
+    uniform = len(set(windows)) == 1
     return ModelSpec(arch, layers, config.hidden_size, heads, kv_heads, head_dim, vocab,
-                     _max_positions(config), windows.pop() if len(windows) == 1 else None)
+                     _max_positions(config), windows[0] if uniform else None,
+                     layer_windows=None if uniform else windows)
 
 
 @torch.inference_mode()
