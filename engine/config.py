@@ -52,6 +52,10 @@ class EngineConfig:
     # CI's stand-in for CUDA graphs: on CPU too, pure decode steps run padded to the graphs'
     # buckets over their static buffers, checked at start-up (slower on CPU; for tests).
     padded_decode_on_cpu: bool = False
+    # Models mixing full and windowed layers, paged without a prefix cache: a block table per
+    # group of layers, so windowed layers keep only their window (engine/kv/layout.py; vLLM's
+    # hybrid KV cache manager). False: one table, every layer keeps every position.
+    kv_groups: bool = True
     # Plan step n+1 while step n computes (its tokens feed step n+1 on the device). None: on
     # where the device runs asynchronously to the host (CUDA) and one rank computes.
     async_scheduling: bool | None = None

@@ -15,12 +15,13 @@ proves that padding never changes a token.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 
 from engine.attention.reference import AttentionMetadata, DecodeGroup, ReferenceAttention
+from engine.kv.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -52,21 +53,25 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
 class PaddedDecode:
     """Static inputs for every bucket, and the padded forward that a graph captures."""
 
-    def __init__(self, model, kv_cache: torch.Tensor, scratch_slot: int, page_size: int,
-                 max_batch: int, max_pages: int) -> None:
+    def __init__(self, model, layer_caches: Sequence[torch.Tensor], layout: KVLayout,
+                 scratch_slot: int, page_size: int, max_batch: int, max_pages: int) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.layer_caches = layer_caches  # each layer's [2, slots, Hkv, D]
+        self.layout = layout
         self.page_size = page_size
         self.batch_buckets = batch_buckets(max_batch)
         self.width_buckets = width_buckets(max_pages)
         self.scratch_page = scratch_slot // page_size
-        device = kv_cache.device
-        # [5, max_batch]: token id, position, slot, context length, first visible position.
-        # Padding rows: token 0 at position 0, written to the scratch slot, seeing only it.
-        self.pad_rows = torch.tensor([[0], [0], [scratch_slot], [1], [0]], device=device)
+        device = layer_caches[0].device
+        tables = layout.num_tables
+        # [4 + tables, max_batch]: token id, position, the slot in each block table, context
+        # length, first visible position. Padding rows: token 0 at position 0, written to the
+        # scratch slot, seeing only it.
+        self.pad_rows = torch.tensor([[0], [0], *[[scratch_slot]] * tables, [1], [0]],
+                                     device=device)
         self.inputs = self.pad_rows.repeat(1, max_batch)
-        # [max_batch, max_pages]: each row's pages, padded with the scratch page
-        self.pages = torch.full((max_batch, max_pages), self.scratch_page, device=device)
+        # [tables, max_batch, max_pages]: each row's pages, padded with the scratch page
+        self.pages = torch.full((tables, max_batch, max_pages), self.scratch_page, device=device)
         self.rows = torch.arange(max_batch, device=device)  # [max_batch]
         self.positions = torch.arange(max_pages * page_size, device=device)  # [T]
         self.attention = ReferenceAttention()
@@ -86,9 +91,9 @@ class PaddedDecode:
 
     def run(self, tokens: torch.Tensor, decode: torch.Tensor, pages: torch.Tensor
             ) -> torch.Tensor:
-        """tokens [3, B], decode [4, B] and pages [B, W] as the runner uploaded them →
-        logits [B, vocab] of the B real rows."""
-        batch_size, width = pages.shape
+        """tokens [2 + tables, B], decode [4, B] and pages [tables, B, W] as the runner uploaded
+        them → logits [B, vocab] of the B real rows."""
+        batch_size, width = pages.shape[1:]
         bucket = self.bucket(batch_size, width)
         assert bucket is not None, "the runner checks fits() first"
         self.stage(tokens, decode, pages, bucket)
@@ -103,33 +108,38 @@ class PaddedDecode:
     def stage(self, tokens: torch.Tensor, decode: torch.Tensor, pages: torch.Tensor,
               bucket: tuple[int, int]) -> None:
         """Copy the real rows into the static inputs; the rest of the bucket is padding."""
-        (batch_size, width), (padded, padded_width) = pages.shape, bucket
-        self.inputs[:3, :batch_size].copy_(tokens)
-        self.inputs[3:, :batch_size].copy_(decode[1:3])  # context length, first visible
+        (batch_size, width), (padded, padded_width) = pages.shape[1:], bucket
+        known = len(tokens)  # token id, position, slots
+        self.inputs[:known, :batch_size].copy_(tokens)
+        self.inputs[known:, :batch_size].copy_(decode[1:3])  # context length, first visible
         self.inputs[:, batch_size:padded].copy_(self.pad_rows.expand(-1, padded - batch_size))
-        self.pages[:batch_size, :width].copy_(pages)
-        self.pages[:batch_size, width:padded_width].fill_(self.scratch_page)
-        self.pages[batch_size:padded, :padded_width].fill_(self.scratch_page)
+        self.pages[:, :batch_size, :width].copy_(pages)
+        self.pages[:, :batch_size, width:padded_width].fill_(self.scratch_page)
+        self.pages[:, batch_size:padded, :padded_width].fill_(self.scratch_page)
 
     def forward(self, padded: int, padded_width: int) -> torch.Tensor:
         """The padded step from the static inputs → logits [padded, vocab]; no host sync."""
-        ids, positions, slots, ctx, lo = self.inputs[:, :padded]  # [padded] each
-        pages = self.pages[:padded, :padded_width]  # [padded, padded_width]
+        inputs = self.inputs[:, :padded]  # [4 + tables, padded]
+        ids, positions, slots, (ctx, lo) = inputs[0], inputs[1], inputs[2:-2], inputs[-2:]
+        pages = self.pages[:, :padded, :padded_width]  # [tables, padded, padded_width]
         rows = self.rows[:padded]
-        spec = self.model.spec
-        meta = self._describe(slots, pages, rows, ctx, lo, spec.sliding_window)
-        others = set(spec.layer_windows or ()) - {spec.sliding_window}
-        if others:  # layers with windows of their own (Gemma 3): first visible per window
-            meta = replace(meta, by_window={spec.sliding_window: meta, **{
-                w: self._describe(slots, pages, rows, ctx, torch.zeros_like(ctx) if w is None
-                                  else (ctx - w).clamp(min=0), w) for w in others}})
-        hidden = self.model(ids, positions, meta, self.kv_cache)  # [padded, hidden]
+        pos = self.positions[:padded_width * self.page_size]  # [T]
+        layout, staged, visible = self.layout, self.model.spec.sliding_window, {}
+        for window in layout.group_windows:  # first visible position per window
+            first = lo if window == staged else torch.zeros_like(ctx) if window is None \
+                else (ctx - window).clamp(min=0)
+            visible[window] = ((pos < ctx[:, None]) & (pos >= first[:, None]))[:, None, None, :]
+        groups = tuple(self._describe(slots[table], pages[table], rows, visible[window], window)
+                       for window, table in zip(layout.group_windows, layout.group_tables,
+                                                strict=True))
+        meta = groups[0] if len(groups) == 1 else replace(
+            groups[0], groups=groups, layer_groups=layout.layer_groups)
+        hidden = self.model(ids, positions, meta, self.layer_caches)  # [padded, hidden]
         return self.model.compute_logits(hidden)
 
     def _describe(self, slots: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
-                  ctx: torch.Tensor, lo: torch.Tensor, window: int | None) -> AttentionMetadata:
-        pos = self.positions[:pages.shape[1] * self.page_size]  # [T]
-        visible = ((pos < ctx[:, None]) & (pos >= lo[:, None]))[:, None, None, :]  # [Bp,1,1,T]
+                  visible: torch.Tensor, window: int | None) -> AttentionMetadata:
+        """slots [Bp], pages [Bp, Wp], visible [Bp, 1, 1, Wp * page_size]."""
         return AttentionMetadata(
             slot_mapping=slots, page_size=self.page_size, decode_token_idx=rows,
             decode_pages=pages, decode_mask=visible, prefills=(), backend=self.attention,
@@ -144,7 +154,8 @@ LOGIT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.25, torch.bfloat16: 0.5
 def capture_cuda_graphs(padded: PaddedDecode, vocab_size: int) -> int:
     """Capture one CUDA graph per (batch, width) bucket, largest first, sharing one memory
     pool; returns how many. Logits land in one static [max_batch, vocab] buffer."""
-    logits_out = torch.empty(padded.batch_buckets[-1], vocab_size, device=padded.kv_cache.device)
+    logits_out = torch.empty(padded.batch_buckets[-1], vocab_size,
+                             device=padded.layer_caches[0].device)
     side, pool = torch.cuda.Stream(), None
     with torch.inference_mode():
         for batch, width in padded.all_buckets():

@@ -59,14 +59,16 @@ def check_padded_decode(runner: ModelRunner) -> float:
     free = list(range(runner.scratch_slot // bs))[::-1]  # every block but the scratch one
     generator = torch.Generator().manual_seed(0)
     seqs = []
+    tables = runner.layout.num_tables
     for ctx in (5, bs + 3, 3 * bs + 1)[:padded.batch_buckets[-1]]:
         need = -(-ctx // bs)
-        if need > len(free) or not padded.fits(len(seqs) + 1, -(-ctx // page)):
+        if need * tables > len(free) or not padded.fits(len(seqs) + 1, -(-ctx // page)):
             break
         ids = torch.randint(0, runner.spec.vocab_size, (ctx,), generator=generator).tolist()
         seq = Sequence(len(seqs), ids, SamplingParams())
         seq.num_computed_tokens = ctx - 1
-        seq.block_table, free = free[:need], free[need:]
+        seq.block_tables = [free[k * need:(k + 1) * need] for k in range(tables)]
+        free = free[need * tables:]
         seqs.append(seq)
     assert seqs, "the pool or max_model_len is too small for one decode row"
     batch = ScheduledBatch(tuple(seqs), (1,) * len(seqs))

@@ -219,7 +219,8 @@ class LLMEngine:
     def max_concurrency(self) -> int:
         """Sequences of max_model_len tokens the KV pool holds at once."""
         allocator = self.scheduler.allocator
-        return max_concurrency(allocator.num_blocks, allocator.block_size, self.max_model_len)
+        return max_concurrency(allocator.num_blocks, allocator.block_size, self.max_model_len,
+                               self.runner.layout)
 
     # --- the step ---
 

@@ -21,6 +21,7 @@ from engine.attention.reference import (
     page_size_for,
 )
 from engine.decode_graphs import PaddedDecode
+from engine.kv.layout import KVLayout, shared_layout
 from engine.models.spec import ModelSpec
 from engine.outputs import SampledToken
 from engine.parallel.workers import WorkerLost
@@ -60,8 +61,10 @@ class ModelRunner:
 
     def __init__(self, model, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int,
-                 attention: AttentionBackend | None = None) -> None:
+                 attention: AttentionBackend | None = None,
+                 layout: KVLayout | None = None) -> None:
         self.model = model
+        self.layout = layout or shared_layout(spec.windows)
         self.attention = attention or ReferenceAttention()
         self.spec = spec
         self.device = device
@@ -70,10 +73,13 @@ class ModelRunner:
         self.sampler = Sampler()  # LLMEngine gives it the CPU greedy kernel where it fits
         self.buffer = StepBuffer(device)
         self.phases: StepPhases | NoPhases = NoPhases()  # LLMEngine.measure_phases sets it
-        # [layers, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim]; zeroed so padding
-        # is finite. The last block is scratch: no sequence owns it; padding rows write there.
-        self.kv_cache = torch.zeros(spec.num_layers, 2, (num_blocks + 1) * block_size,
+        # [tensors, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim]: a tensor per
+        # layer, or per layer of a KV group (engine/kv/layout.py); zeroed so padding is finite.
+        # The last block is scratch: no sequence owns it; padding rows write there.
+        self.kv_cache = torch.zeros(self.layout.num_tensors, 2, (num_blocks + 1) * block_size,
                                     spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+        # what the model reads: each layer's [2, slots, Hkv, D]
+        self.layer_caches = tuple(self.kv_cache[t] for t in self.layout.layer_tensors)
         self.scratch_slot = num_blocks * block_size
         self.padded_decode: PaddedDecode | None = None  # enable_padded_decode() sets it
         self.peers: PlanSender | None = None  # the worker ranks, when tensor parallel
@@ -85,8 +91,9 @@ class ModelRunner:
         """Run pure decode steps padded to batch and width buckets over static buffers (what CUDA
         graphs replay; engine/decode_graphs.py)."""
         max_pages = -(-max_model_len // self.page_size)
-        self.padded_decode = PaddedDecode(self.model, self.kv_cache, self.scratch_slot,
-                                          self.page_size, max_batch, max_pages)
+        self.padded_decode = PaddedDecode(self.model, self.layer_caches, self.layout,
+                                          self.scratch_slot, self.page_size, max_batch,
+                                          max_pages)
         return self.padded_decode
 
     @property
@@ -137,8 +144,8 @@ class ModelRunner:
                      sampled: list[int]) -> torch.Tensor | None:
         """The model over every packed token → logits [S, vocab] float32 of the sampled rows
         (None when no row samples)."""
-        input_ids, positions, _ = views["tokens"]  # [N] each
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [N, hidden]
+        input_ids, positions = views["tokens"][:2]  # [N] each
+        hidden = self.model(input_ids, positions, meta, self.layer_caches)  # [N, hidden]
         if not sampled:
             return None
         return self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
@@ -170,7 +177,7 @@ class ModelRunner:
         owners = self._carry[1] if self._carry is not None else {}
         long_rope_rows = (0 if self.spec.rope_long_after is None
                           else self.spec.max_position_embeddings)
-        return pack_step(batch, self.block_size, owners, long_rope_rows)
+        return pack_step(batch, self.block_size, owners, long_rope_rows, self.layout.num_tables)
 
     def _stage(self, plan: StepPlan, sampling: list[Sequence] | None, describe: bool = True):
         """Write the plan (and the sampling parameters) into the step buffer, upload it once,
@@ -178,7 +185,9 @@ class ModelRunner:
         runs it)."""
         buffer = self.buffer
         buffer.reset()
-        buffer.put("tokens", [plan.ids, plan.positions, plan.slots], shape=(3, len(plan.ids)))
+        # [2 + tables, N]: token ids, positions, then the slots of each block table
+        buffer.put("tokens", [plan.ids, plan.positions, *plan.slots],
+                   shape=(2 + len(plan.slots), len(plan.ids)))
         buffer.put("sample_rows", plan.sample_rows)
         self._stage_decodes(plan.decodes)
         page_spans = self._stage_prefill_pages(plan.prefills)
@@ -202,65 +211,84 @@ class ModelRunner:
             return block_table[:num_pages]
         return [block_table[j // per_block] * per_block + j % per_block for j in range(num_pages)]
 
-    def _stage_decodes(self, decodes: list[tuple[int, list[int], int]]) -> None:
+    def _stage_decodes(self, decodes: list[tuple[int, list[list[int]], int]]) -> None:
         if not decodes:
             return
         contexts = [ctx for _, _, ctx in decodes]
-        pages = [self._pages(table, ctx) for _, table, ctx in decodes]
-        width = max(len(p) for p in pages)
         window = self.spec.sliding_window
         lows = [0] * len(contexts) if window is None else [max(0, c - window) for c in contexts]
         order = sorted(range(len(contexts)), key=contexts.__getitem__)
         # [4, B]: packed row, context length, first visible position, rank by context
         self.buffer.put("decode", [[row for row, _, _ in decodes], contexts, lows, order],
                         shape=(4, len(decodes)))
-        self.buffer.put("decode_pages", [p + [0] * (width - len(p)) for p in pages],
-                        shape=(len(pages), width))
+        width = -(-max(contexts) // self.page_size)
+        pages = [[self._pages(tables[t], ctx) for _, tables, ctx in decodes]
+                 for t in range(self.layout.num_tables)]
+        # [tables, B, width]: each row's pages in each block table, padded with page 0
+        self.buffer.put("decode_pages", [p + [0] * (width - len(p)) for rows in pages
+                                         for p in rows],
+                        shape=(len(pages), len(decodes), width))
 
-    def _stage_prefill_pages(self, prefills: list[tuple[int, int, list[int], int]]
+    def _stage_prefill_pages(self, prefills: list[tuple[int, int, list[list[int]], int]]
                              ) -> list[tuple[int, int]]:
-        """All prefill rows' pages in one section; returns each row's (start, end) in it."""
-        flat: list[int] = []
+        """All prefill rows' pages in one section, [tables, pages]; returns each row's (start,
+        end) in it."""
+        flat: list[list[int]] = [[] for _ in range(self.layout.num_tables)]
         spans = []
-        for _, _, table, ctx in prefills:
-            pages = self._pages(table, ctx)
-            spans.append((len(flat), len(flat) + len(pages)))
-            flat += pages
+        for _, _, tables, ctx in prefills:
+            start = len(flat[0])
+            for table, table_pages in zip(tables, flat, strict=True):
+                table_pages += self._pages(table, ctx)
+            spans.append((start, len(flat[0])))
         if prefills:
-            self.buffer.put("prefill_pages", flat)
+            self.buffer.put("prefill_pages", flat, shape=(len(flat), len(flat[0])))
         return spans
 
     def _metadata(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
                   page_spans: list[tuple[int, int]]) -> AttentionMetadata:
-        window = self.spec.sliding_window
-        meta = self._describe(views, decodes, prefills, page_spans, window)
-        others = set(self.spec.layer_windows or ()) - {window}
-        if not others:
-            return meta
-        by_window = {w: self._describe(views, decodes, prefills, page_spans, w) for w in others}
-        return replace(meta, by_window={window: meta, **by_window})
+        """The step for each attention group: its block table's slots and pages, its window's
+        masks (built once per window)."""
+        layout, masks = self.layout, {}
+        groups = tuple(self._describe(views, decodes, prefills, page_spans, table, window, masks)
+                       for window, table in zip(layout.group_windows, layout.group_tables,
+                                                strict=True))
+        if len(groups) == 1:
+            return groups[0]
+        return replace(groups[0], groups=groups, layer_groups=layout.layer_groups)
 
     def _describe(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
-                  page_spans: list[tuple[int, int]], window: int | None) -> AttentionMetadata:
-        """The step for layers attending within `window` (staged for spec.sliding_window)."""
+                  page_spans: list[tuple[int, int]], table: int, window: int | None,
+                  masks: dict) -> AttentionMetadata:
+        """The step for layers reading block table `table` within `window`; `masks` keeps each
+        window's masks for the other groups with that window."""
+        if window not in masks:
+            masks[window] = self._masks(views, decodes, prefills, window)
+        prefill_masks, decode = masks[window]
         rows = tuple(
-            PrefillRow(row, n, ctx, views["prefill_pages"][a:b],
-                       causal_mask(n, ctx, window, self.device))
-            for (row, n, _, ctx), (a, b) in zip(prefills, page_spans, strict=True))
-        decode: dict = {"decode_token_idx": None, "decode_pages": None, "decode_mask": None}
+            PrefillRow(row, n, ctx, views["prefill_pages"][table][a:b], mask)
+            for (row, n, _, ctx), (a, b), mask in zip(prefills, page_spans, prefill_masks,
+                                                      strict=True))
         if decodes:
-            pages = views["decode_pages"]  # [B, max_pages]
-            token_idx, ctx, lo, order = views["decode"]  # [B] each
-            if window != self.spec.sliding_window:
-                lo = torch.zeros_like(ctx) if window is None else (ctx - window).clamp(min=0)
-            pos = torch.arange(pages.shape[1] * self.page_size, device=self.device)  # [T]
-            visible = (pos < ctx[:, None]) & (pos >= lo[:, None])  # [B, T]
-            decode = {"decode_token_idx": token_idx, "decode_pages": pages,
-                      "decode_mask": visible[:, None, None, :],
-                      "decode_context_lens": tuple(c for _, _, c in decodes),
-                      "decode_ctx": ctx, "decode_lo": lo, "decode_order": order}
+            decode = {**decode, "decode_pages": views["decode_pages"][table]}  # [B, max_pages]
         meta = AttentionMetadata(
-            slot_mapping=views["tokens"][2], page_size=self.page_size, prefills=rows,
+            slot_mapping=views["tokens"][2 + table], page_size=self.page_size, prefills=rows,
             backend=self.attention, window=window, **decode)
         return replace(meta, backend_state=self.attention.prepare(meta))
 
+    def _masks(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
+               window: int | None) -> tuple[list, dict]:
+        """What layers attending within `window` may see: each prefill row's mask, and the
+        decode rows' visible positions (their pages are the block table's)."""
+        prefill_masks = [causal_mask(n, ctx, window, self.device) for _, n, _, ctx in prefills]
+        decode: dict = {"decode_token_idx": None, "decode_pages": None, "decode_mask": None}
+        if decodes:
+            width = views["decode_pages"].shape[2]
+            token_idx, ctx, lo, order = views["decode"]  # [B] each
+            if window != self.spec.sliding_window:
+                lo = torch.zeros_like(ctx) if window is None else (ctx - window).clamp(min=0)
+            pos = torch.arange(width * self.page_size, device=self.device)  # [T]
+            visible = (pos < ctx[:, None]) & (pos >= lo[:, None])  # [B, T]
+            decode = {"decode_token_idx": token_idx, "decode_mask": visible[:, None, None, :],
+                      "decode_context_lens": tuple(c for _, _, c in decodes),
+                      "decode_ctx": ctx, "decode_lo": lo, "decode_order": order}
+        return prefill_masks, decode

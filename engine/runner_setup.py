@@ -15,6 +15,7 @@ from engine.attention.select import select_attention_backend
 from engine.config import EngineConfig
 from engine.decode_graphs_setup import prepare_decode_graphs
 from engine.kv.budget import KVPlan, default_budget_bytes, plan_kv
+from engine.kv.layout import kv_layout
 from engine.model_runner import ModelRunner
 from engine.models.cpu_fused import fused_ops_for
 from engine.models.linear import pack_model_linears
@@ -59,9 +60,16 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     budget = default_budget_bytes(device.type, config.gpu_memory_utilization)
     if comm is not None:  # every rank holds the same blocks: size them by the tightest rank
         budget = comm.agree_min(budget // shard.size if device.type == "cpu" else budget)
-    kv = plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype), budget)
+    layout = kv_layout(spec.windows, not config.is_contiguous and config.kv_groups,
+                       config.enable_prefix_caching)
+    kv = plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype, layout.num_tensors),
+                 budget, layout)
+    if layout.is_hybrid:
+        logger.info("KV groups: %d block tables over %d pool tensors (windows %s); windowed "
+                    "tables free what sequences slide past", layout.num_tables,
+                    layout.num_tensors, "/".join(str(w) for w in layout.group_windows))
     runner = ModelRunner(model, spec, device, dtype, kv.num_blocks, kv.block_size,
-                         select_attention_backend(config.attention_backend, device))
+                         select_attention_backend(config.attention_backend, device), layout)
     prepare_attention(runner, config.attention_backend, config.max_num_seqs,
                       config.max_num_batched_tokens or config.max_num_seqs * max_model_len)
     if hasattr(model, "use_fused_cpu_ops"):

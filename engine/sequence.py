@@ -60,7 +60,8 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        # One block table per KV group (engine/kv/layout.py); most models have one.
+        self.block_tables: list[list[int]] = [[]]
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.params = params
@@ -81,6 +82,15 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, status={self.status.value})")
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first (usually only) block table."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables = [table]
 
     @property
     def num_tokens(self) -> int:

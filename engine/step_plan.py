@@ -12,14 +12,15 @@ from engine.sequence import PENDING_TOKEN, Sequence
 @dataclass(frozen=True)
 class StepPlan:
     """One step as the host decided it, before any tensor exists; plain lists, so it pickles
-    to tensor-parallel worker ranks."""
+    to tensor-parallel worker ranks. A sequence has one block table per KV table of the layout
+    (engine/kv/layout.py): each token has a slot in each."""
 
     num_seqs: int
     ids: list[int]  # [N] packed token ids of every scheduled token
     positions: list[int]  # [N]
-    slots: list[int]  # [N] KV slot each token writes
-    decodes: list[tuple[int, list[int], int]]  # (packed row, block table, context)
-    prefills: list[tuple[int, int, list[int], int]]  # (row, tokens, block table, context)
+    slots: list[list[int]]  # [tables, N] KV slot each token writes, in each block table
+    decodes: list[tuple[int, list[list[int]], int]]  # (packed row, block tables, context)
+    prefills: list[tuple[int, int, list[list[int]], int]]  # (row, tokens, tables, context)
     sample_rows: list[int]  # packed rows whose logits are sampled
     sampled: list[int]  # which of the batch's sequences they belong to
     # (packed token, row of the previous step's samples): inputs still on the device
@@ -27,7 +28,7 @@ class StepPlan:
 
 
 def pack_step(batch: ScheduledBatch, block_size: int, last_sampled: dict[int, int],
-              long_rope_rows: int = 0) -> StepPlan:
+              long_rope_rows: int = 0, num_tables: int = 1) -> StepPlan:
     """The step's integers: token ids, positions, KV slots, and which rows attend to which pages
     and get sampled. `last_sampled` (seq id -> row) says where the previous launch sampled each
     sequence: a pending input is read from there on the device. The positions of a sequence
@@ -35,28 +36,31 @@ def pack_step(batch: ScheduledBatch, block_size: int, last_sampled: dict[int, in
     bs = block_size
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
-    decodes: list[tuple[int, list[int], int]] = []  # (packed row, block table, context)
-    prefills: list[tuple[int, int, list[int], int]] = []  # (row, tokens, table, context)
+    slots: list[list[int]] = [[] for _ in range(num_tables)]
+    decodes: list[tuple[int, list[list[int]], int]] = []  # (packed row, block tables, context)
+    prefills: list[tuple[int, int, list[list[int]], int]] = []  # (row, tokens, tables, context)
     sample_rows: list[int] = []
     sampled: list[int] = []
     carried: list[tuple[int, int]] = []  # (packed token, previous step's sample row)
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens, strict=True)):
-        start, table, row = seq.num_computed_tokens, seq.block_table, len(ids)
+        start, tables, row = seq.num_computed_tokens, seq.block_tables, len(ids)
+        assert len(tables) == num_tables, f"{seq} has {len(tables)} block tables, not {num_tables}"
         end = start + n
         if seq.token_ids[end - 1] == PENDING_TOKEN:
             carried.append((row + n - 1, _carried_row(seq, last_sampled)))
         if n == 1:
             ids.append(seq.token_ids[start])
             positions.append(start + long_rope_rows * seq.long_rope)
-            slots.append(table[start // bs] * bs + start % bs)
-            decodes.append((row, table, end))
+            for table, table_slots in zip(tables, slots, strict=True):
+                table_slots.append(table[start // bs] * bs + start % bs)
+            decodes.append((row, tables, end))
         else:
             ids += seq.token_ids[start:end]
             shift = long_rope_rows * seq.long_rope
             positions += range(start + shift, end + shift)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            prefills.append((row, n, table, end))
+            for table, table_slots in zip(tables, slots, strict=True):
+                table_slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            prefills.append((row, n, tables, end))
         if end == seq.num_tokens:  # caught up: its next token is sampled
             sample_rows.append(row + n - 1)
             sampled.append(i)

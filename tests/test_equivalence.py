@@ -112,10 +112,13 @@ def test_layers_mixing_full_and_sliding_window_attention_run_natively(tmp_path,
 
 def test_preemption_keeps_every_native_family_equal_to_generate(tiny) -> None:
     """Paged with a pool too small for the batch: sequences are preempted and recomputed, and
-    the tokens still equal transformers'."""
-    path, prompts, new_tokens, refs, _ = tiny
+    the tokens still equal transformers'. (A model mixing full and windowed layers keeps its KV
+    in two block tables of one layer each: the same memory is twice the blocks.)"""
+    path, prompts, new_tokens, refs, model = tiny
     reqs = staggered(prompts, new_tokens)
-    engine = make_engine(path, "paged", block_size=4, num_kv_blocks=11)
+    hybrid = len(set(getattr(model.config, "layer_types", None) or ())) > 1
+    engine = make_engine(path, "paged", block_size=4, num_kv_blocks=22 if hybrid else 11)
+    assert engine.runner.layout.num_tables == (2 if hybrid else 1)
     drive(engine, reqs)
     assert engine.scheduler.num_preemptions > 0
     assert [r.tokens for r in reqs] == refs

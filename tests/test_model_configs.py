@@ -3,6 +3,8 @@ way transformers derives what is missing; and the guard that a layer reads its o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -58,6 +60,11 @@ def test_a_layer_never_reads_another_windows_metadata() -> None:
     meta = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), page_size=4,
                              decode_token_idx=None, decode_pages=None, decode_mask=None,
                              prefills=(), backend=ReferenceAttention(), window=None)
-    assert meta.for_window(None) is meta
+    assert meta.for_layer(0, None) is meta
     with pytest.raises(AssertionError, match="window 8"):
-        meta.for_window(8)
+        meta.for_layer(0, 8)
+    windowed = replace(meta, window=8)
+    grouped = replace(meta, groups=(meta, windowed), layer_groups=(1, 0))
+    assert grouped.for_layer(0, 8) is windowed and grouped.for_layer(1, None) is meta
+    with pytest.raises(AssertionError, match="layer 1"):
+        grouped.for_layer(1, 8)

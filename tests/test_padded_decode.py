@@ -45,7 +45,7 @@ def padded_engine(path, batching: str, **overrides):
     padded = engine.runner.enable_padded_decode(engine.config.max_num_seqs, MAX_MODEL_LEN)
     calls = []
     run = padded.run
-    padded.run = lambda *args: calls.append(args[2].shape) or run(*args)
+    padded.run = lambda *args: calls.append(args[2].shape[1:]) or run(*args)  # (B, W)
     return engine, calls
 
 
@@ -93,8 +93,8 @@ def test_padding_rows_write_only_the_scratch_block_and_buffers_stay_put(tiny) ->
     scratch = []
     for _ in range(4):
         before = runner.kv_cache.clone()
-        slots = [s.block_table[s.num_computed_tokens // 16] * 16 + s.num_computed_tokens % 16
-                 for s in engine.scheduler.running]
+        slots = [t[s.num_computed_tokens // 16] * 16 + s.num_computed_tokens % 16
+                 for s in engine.scheduler.running for t in s.block_tables]
         engine.step()
         changed = (runner.kv_cache != before).flatten(3).any(-1).any(0).any(0)  # [slots]
         written = set(changed.nonzero().flatten().tolist())

@@ -50,7 +50,9 @@ def _check(runner: ModelRunner, case: list[tuple[int, int]]) -> float:
     for i, ((computed, n), count) in enumerate(zip(case, needed, strict=True)):
         seq = Sequence(i, [3 + i] * (computed + n), SamplingParams())
         seq.num_computed_tokens = computed
-        seq.block_table, blocks = blocks[:count], blocks[count:]
+        # every block table alike: the check reads the first attention group only
+        seq.block_tables = [blocks[:count]] * runner.layout.num_tables
+        blocks = blocks[count:]
         seqs.append(seq)
     used_slots = sum(needed) * runner.block_size
     k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[0, 1]
@@ -101,7 +103,8 @@ def warm_up_attention(runner: ModelRunner, max_rows: int) -> list[int]:
     with torch.inference_mode():
         for rows in warm_up_buckets(max_rows, pool_tokens):
             seq = Sequence(0, [3] * rows, SamplingParams())
-            seq.block_table = list(range(-(-rows // runner.block_size)))
+            seq.block_tables = [list(range(-(-rows // runner.block_size)))] * \
+                runner.layout.num_tables
             meta = runner.attention_metadata(ScheduledBatch((seq,), (rows,)))
             q = torch.zeros(rows, spec.num_heads, spec.head_dim, device=runner.device,
                             dtype=runner.kv_cache.dtype)

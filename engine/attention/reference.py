@@ -47,18 +47,19 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None  # [num_decodes] int64: rows by ascending context
     # What the backend derived from this metadata once per step (shared by every layer).
     backend_state: object | None = None
-    # The window its masks describe (None: every earlier position); for models whose layers
-    # attend within different windows (Gemma 2/3, Qwen with max_window_layers), the metadata of
-    # every window.
+    # The window its masks describe (None: every earlier position).
     window: int | None = None
-    by_window: dict[int | None, AttentionMetadata] | None = None
+    # Models whose layers attend within different windows (Gemma 2/3, Qwen with
+    # max_window_layers) or keep their KV in different block tables (engine/kv/layout.py):
+    # the metadata of every attention group, and each layer's group.
+    groups: tuple[AttentionMetadata, ...] | None = None
+    layer_groups: tuple[int, ...] | None = None
 
-    def for_window(self, window: int | None) -> AttentionMetadata:
-        """What a layer attending within `window` reads."""
-        if self.by_window is not None:
-            return self.by_window[window]
-        assert window == self.window, f"a layer with window {window} read window {self.window}"
-        return self
+    def for_layer(self, layer: int, window: int | None) -> AttentionMetadata:
+        """What layer number `layer`, attending within `window`, reads and writes."""
+        mine = self if self.groups is None else self.groups[self.layer_groups[layer]]
+        assert window == mine.window, f"layer {layer} (window {window}) read window {mine.window}"
+        return mine
 
 
 class AttentionBackend(ABC):

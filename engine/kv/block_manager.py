@@ -6,9 +6,10 @@ only through the prefix cache). Block states:
     cached     ref 0, hashed, reusable    in `_evictable` (LRU: evicted oldest first)
     used       ref > 0                    owned by every sequence whose table lists it
 
-With a sliding window (every layer attends to the last `sliding_window` positions only), the
-blocks a sequence has slid past go back to the pool as it grows: their table entries then name
-the pool's scratch block (`outside_window`), which attention masks out like any padding.
+A sequence has one block table per KV group (engine/kv/layout.py), all drawing from this pool
+and all of the same length. A table whose layers attend to the last `window` positions only
+gives back the blocks its sequence has slid past as it grows: their entries then name the pool's
+scratch block (`outside_window`), which attention masks out like any padding.
 """
 
 from __future__ import annotations
@@ -17,20 +18,31 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from engine.kv.allocator import KVAllocator
+from engine.kv.layout import blocks_held
 from engine.sequence import Sequence
 
 _BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash, this block's token ids)
+MAX_SEQ_TOKENS = 1 << 30  # longer than any max_model_len
 
 
 class BlockManager(KVAllocator):
     """Paged allocator: blocks are taken as sequences grow and returned when they end."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None,
+                 table_windows: tuple[int | None, ...] | None = None,
+                 whole_prompts: bool = True):
+        """`table_windows`: per block table, the window its blocks are freed behind (None:
+        kept); default one table with `sliding_window`. `whole_prompts`: prompts are
+        prefilled in one step (no chunking), so every table holds a whole prompt at once."""
         super().__init__(num_blocks=num_blocks, block_size=block_size)
+        self.whole_prompts = whole_prompts
         self.enable_prefix_caching = enable_prefix_caching
+        windows = table_windows or (sliding_window,)
+        assert len(windows) == 1 or not enable_prefix_caching, "a cached block is one table's"
         # Prefix caching keeps whole prompts reusable, so it keeps their blocks too.
-        self.sliding_window = None if enable_prefix_caching else sliding_window
+        self.table_windows = (None,) if enable_prefix_caching else tuple(windows)
+        self.num_tables = len(self.table_windows)
         self.outside_window = num_blocks  # the runner's scratch block: never allocated
         self._ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -47,36 +59,65 @@ class BlockManager(KVAllocator):
     def num_free_blocks(self) -> int:
         return len(self._free) + len(self._evictable)
 
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens one sequence can hold here. Prefilled whole, a prompt takes its
+        blocks in every table at once; in chunks, a windowed table holds only its window's
+        (MAX_SEQ_TOKENS when no length fills the pool: windowed tables only)."""
+        if self.whole_prompts or all(w is None for w in self.table_windows):
+            return self.num_blocks // self.num_tables * self.block_size
+        if blocks_held(self.table_windows, MAX_SEQ_TOKENS, self.block_size) <= self.num_blocks:
+            return MAX_SEQ_TOKENS
+        low, high = 0, MAX_SEQ_TOKENS  # blocks_held grows with the length: bisect
+        while low < high:
+            mid = (low + high + 1) // 2
+            if blocks_held(self.table_windows, mid, self.block_size) <= self.num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def free_slots(self, seq: Sequence) -> int:
+        """Token slots `seq` can still write: the rest of its own blocks plus what the free
+        blocks give it (each new block position takes one block in every table)."""
+        own = len(seq.block_table) * self.block_size - seq.num_computed_tokens
+        return own + self.num_free_blocks // self.num_tables * self.block_size
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+        return self.blocks_needed(seq, num_new_tokens) * self.num_tables <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         need = self.blocks_needed(seq, num_new_tokens)
-        assert need <= self.num_free_blocks, f"no KV room for {seq}"
-        for _ in range(need):
-            block = self._take_free_block()
-            self._ref[block] = 1
-            seq.block_table.append(block)
+        assert need * self.num_tables <= self.num_free_blocks, f"no KV room for {seq}"
+        if len(seq.block_tables) < self.num_tables:
+            seq.block_tables += [[] for _ in range(self.num_tables - len(seq.block_tables))]
+        for table in seq.block_tables:
+            for _ in range(need):
+                block = self._take_free_block()
+                self._ref[block] = 1
+                table.append(block)
 
     def release_outside_window(self, seq: Sequence) -> None:
         """Give back the blocks whose positions no later query of `seq` can see: the next one
         (at position num_computed_tokens) sees positions > num_computed_tokens - window."""
-        if self.sliding_window is None:
-            return
-        first_visible = seq.num_computed_tokens - self.sliding_window + 1
-        for i in range(min(first_visible // self.block_size, len(seq.block_table))):
-            block = seq.block_table[i]
-            if block == self.outside_window:
+        for window, table in zip(self.table_windows, seq.block_tables, strict=False):
+            if window is None:
                 continue
-            seq.block_table[i] = self.outside_window
-            self._unref(block)
+            first_visible = seq.num_computed_tokens - window + 1
+            for i in range(min(first_visible // self.block_size, len(table))):
+                block = table[i]
+                if block == self.outside_window:
+                    continue
+                table[i] = self.outside_window
+                self._unref(block)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks go first so that LRU eviction drops a prefix's end before its start.
-        for block in reversed(seq.block_table):
-            if block != self.outside_window:
-                self._unref(block)
-        seq.block_table = []
+        for table in seq.block_tables:
+            for block in reversed(table):
+                if block != self.outside_window:
+                    self._unref(block)
+        seq.block_tables = [[]]
         self._hashed.pop(seq.seq_id, None)
 
     def _unref(self, block: int) -> None:
@@ -138,9 +179,13 @@ class BlockManager(KVAllocator):
     def check_integrity(self, live_seqs: Iterable[Sequence]) -> None:
         refs = [0] * self.num_blocks
         for seq in live_seqs:
-            for block in seq.block_table:
-                if block != self.outside_window:
-                    refs[block] += 1
+            tables = seq.block_tables
+            assert len(tables) in (1, self.num_tables), f"{seq} has {len(tables)} tables"
+            assert len({len(t) for t in tables}) == 1, f"{seq}'s tables differ in length"
+            for table in tables:
+                for block in table:
+                    if block != self.outside_window:
+                        refs[block] += 1
         assert refs == self._ref, "reference counts disagree with the block tables"
         free, cached = set(self._free), set(self._evictable)
         assert len(free) == len(self._free), "a block is free twice"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.kv.allocator import ContiguousAllocator, KVAllocator
 from engine.kv.block_manager import BlockManager
+from engine.kv.layout import KVLayout, shared_layout
 
 logger = logging.getLogger(__name__)
 
@@ -21,9 +22,10 @@ class KVPlan:
 
     num_blocks: int
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int  # of one block id's slot: K and V in each of the layout's tensors
     max_concurrency: int  # sequences of max_model_len tokens that fit at once
     sized_by: str
+    layout: KVLayout
 
     @property
     def pool_bytes(self) -> int:
@@ -31,19 +33,22 @@ class KVPlan:
 
 
 def plan_kv(config: EngineConfig, max_model_len: int, bytes_per_token: int,
-            default_budget_bytes: int) -> KVPlan:
+            default_budget_bytes: int, layout: KVLayout | None = None) -> KVPlan:
     """Size the pool from num_kv_blocks, kv_cache_memory or the device default, in that order.
+    `bytes_per_token`: what one slot of a block id costs (K and V in every pool tensor).
 
     Contiguous strategies reserve max_model_len tokens per sequence, so the same budget holds
-    fewer of them; nobody gets more than max_num_seqs full-length sequences' worth.
+    fewer of them; nobody gets more than max_num_seqs full-length sequences' worth (in every
+    block table of the layout).
     """
+    layout = layout or shared_layout((None,))
     if config.num_kv_blocks is not None:
         tokens, sized_by = config.num_kv_blocks * config.block_size, "num_kv_blocks"
     elif config.kv_cache_memory is not None:
         tokens, sized_by = config.kv_cache_memory // bytes_per_token, "kv_cache_memory"
     else:
         tokens, sized_by = default_budget_bytes // bytes_per_token, "device default"
-    tokens = min(tokens, config.max_num_seqs * max_model_len)
+    tokens = min(tokens, config.max_num_seqs * max_model_len * layout.num_tables)
     block_size = max_model_len if config.is_contiguous else config.block_size
     num_blocks = tokens // block_size
     if num_blocks < 1:
@@ -52,23 +57,31 @@ def plan_kv(config: EngineConfig, max_model_len: int, bytes_per_token: int,
             f"{block_size} tokens ({'max_model_len' if config.is_contiguous else 'block_size'}); "
             "raise kv_cache_memory / num_kv_blocks or lower max_model_len")
     return KVPlan(num_blocks, block_size, bytes_per_token,
-                  max_concurrency(num_blocks, block_size, max_model_len), sized_by)
+                  max_concurrency(num_blocks, block_size, max_model_len, layout), sized_by,
+                  layout)
 
 
-def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> int:
-    """Sequences of max_model_len tokens a pool of num_blocks blocks holds at once."""
-    return num_blocks * block_size // max_model_len
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int,
+                    layout: KVLayout | None = None) -> int:
+    """Sequences of max_model_len tokens a pool of num_blocks blocks holds at once (in a
+    hybrid layout, windowed tables hold only their window's blocks)."""
+    if layout is None or not layout.is_hybrid:
+        return num_blocks * block_size // max_model_len
+    return num_blocks // layout.blocks_per_sequence(max_model_len, block_size)
 
 
 def build_allocator(config: EngineConfig, plan: KVPlan,
                     sliding_window: int | None = None) -> KVAllocator:
-    """The strategy's allocator over the planned pool; `sliding_window`: the model's, when
-    every layer has it (the paged pool then frees what sequences slide past)."""
+    """The strategy's allocator over the planned pool: a block table per table of the plan's
+    layout; `sliding_window`, the model's when every layer has it, frees what sequences slide
+    past in a one-table pool."""
     if config.is_contiguous:
         return ContiguousAllocator(num_slots=plan.num_blocks, max_model_len=plan.block_size)
+    windows = plan.layout.table_windows if plan.layout.is_hybrid else (sliding_window,)
     return BlockManager(plan.num_blocks, plan.block_size,
                         enable_prefix_caching=config.enable_prefix_caching,
-                        sliding_window=sliding_window)
+                        table_windows=windows,
+                        whole_prompts=not config.enable_chunked_prefill)
 
 
 def default_budget_bytes(device_type: str, gpu_memory_utilization: float) -> int:

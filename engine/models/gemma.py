@@ -8,6 +8,7 @@ full layers with RoPE tables of their own."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -72,8 +73,9 @@ def rope_config(config: dict, layer_type: str) -> dict:
 
 
 class GemmaDecoderLayer(DecoderLayer):
-    def __init__(self, spec: ModelSpec, config: dict, inter: int, comm, kind: str) -> None:
-        super().__init__(spec, config, inter, comm)
+    def __init__(self, spec: ModelSpec, config: dict, inter: int, comm, kind: str,
+                 index: int) -> None:
+        super().__init__(spec, config, inter, comm, index=index)
         eps, arch = config.get("rms_norm_eps", 1e-6), spec.architecture
         self.input_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
@@ -102,11 +104,11 @@ class GemmaDecoderLayer(DecoderLayer):
         return x + self.post_feedforward_layernorm(mlp)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                mine: AttentionMetadata) -> torch.Tensor:
         if self.softcap is None:
-            return super()._attend(q, k_cache, v_cache, meta)
+            return super()._attend(q, k_cache, v_cache, mine)
         # no fast kernel caps scores
-        return explicit_attention(q, k_cache, v_cache, meta, self.scale, self.softcap,
+        return explicit_attention(q, k_cache, v_cache, mine, self.scale, self.softcap,
                                   self.window)
 
     def _mlp(self, h: torch.Tensor, decode_only: bool = False) -> torch.Tensor:
@@ -122,8 +124,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         super().__init__(config, spec, shard, comm)
         kinds = layer_types(config)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(self.spec, config, self.inter // self.shard.size, comm, kind)
-            for kind in kinds)
+            GemmaDecoderLayer(self.spec, config, self.inter // self.shard.size, comm, kind, i)
+            for i, kind in enumerate(kinds))
         self.norm = GemmaRMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
         self.final_softcap = config.get("final_logit_softcapping")
         # the padded decode path describes each window; explicit attention it does not run
@@ -163,8 +165,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return replace(spec, layer_windows=windows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [N]; kv_cache [layers, 2, slots, Hkv, D] → hidden [N, hidden]."""
+                kv_cache: Sequence[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions [N]; kv_cache: each layer's [2, slots, Hkv, D] → hidden
+        [N, hidden]."""
         x = self._embed(input_ids)
         x = x * torch.tensor(self.spec.hidden_size ** 0.5, device=x.device).to(x.dtype)
         tables = {kind: (getattr(self, f"rope_cos_{kind}")[positions].to(x.dtype).unsqueeze(1),

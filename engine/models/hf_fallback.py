@@ -15,6 +15,7 @@ model is refused with the reason."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -55,15 +56,16 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         return query.transpose(1, 2), None
     meta, kv_cache = kwargs[_STEP]
     layer = kv_cache[module.layer_idx]
+    # the layer's window: the model's, or its own (the runner describes each attention group)
+    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
+    mine = meta.for_layer(module.layer_idx, window)
     q = query[0].transpose(0, 1).contiguous()  # [N, H, D]
     store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer[0], layer[1],
-             meta.slot_mapping)
+             mine.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
     if softcap is not None:  # what the backends do not take
-        out = explicit_attention(q, layer[0], layer[1], meta, scale, softcap, window)
-    else:  # the layer's window: the model's, or its own (the runner describes each)
-        mine = meta.for_window(window)
+        out = explicit_attention(q, layer[0], layer[1], mine, scale, softcap, window)
+    else:
         out = mine.backend.forward(q, layer[0], layer[1], mine, scale)
     return out.unsqueeze(0), None
 
@@ -88,8 +90,9 @@ class TransformersModel(nn.Module):
         self.logits_scaling = getattr(config, "logits_scaling", None)  # Granite: divides
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [N] → hidden [N, hidden]."""
+                kv_cache: Sequence[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions [N]; kv_cache: each layer's [2, slots, Hkv, D] → hidden
+        [N, hidden]."""
         out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None],
                                  use_cache=False,
                                  **{_STEP: (meta, kv_cache)})

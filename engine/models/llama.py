@@ -6,6 +6,7 @@ attend within windows of their own (Qwen's max_window_layers)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -45,9 +46,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, spec: ModelSpec, config: dict, inter: int,
                  comm: Collectives | None = None, window: int | None = None,
-                 shared_inter: int = 0) -> None:
+                 shared_inter: int = 0, index: int = 0) -> None:
         super().__init__()
         self.spec = spec
+        self.index = index  # the layer's number: which attention group's metadata it reads
         self.comm = comm
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         bias = config.get("attention_bias", config.get(
@@ -67,7 +69,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
         self.scale = spec.head_dim ** -0.5
-        self.window = window  # where layers' windows differ, this one's metadata is read
+        self.window = window  # None: full attention
         self.fused: FusedCpuOps | None = None  # set by use_fused_cpu_ops
         # Qwen3: one RMSNorm over the head dimension for q heads, one for k heads
         self.q_norm = self.k_norm = None
@@ -92,13 +94,14 @@ class DecoderLayer(nn.Module):
         qk = qkv[:, :self.rotated_heads * s.head_dim].view(-1, self.rotated_heads, s.head_dim)
         q, k = self._rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
         v = qkv[:, self.rotated_heads * s.head_dim:].view(-1, s.num_kv_heads, s.head_dim)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # q [N, H, D], k and v [N, Hkv, D]
-        attn = self._attend(q, k_cache, v_cache, meta)
+        mine = meta.for_layer(self.index, self.window)
+        store_kv(k, v, k_cache, v_cache, mine.slot_mapping)  # q [N, H, D], k and v [N, Hkv, D]
+        attn = self._attend(q, k_cache, v_cache, mine)
         return self._sum(self.o_proj(attn.flatten(1)))
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        mine = meta.for_window(self.window)
+                mine: AttentionMetadata) -> torch.Tensor:
+        """Attention over the pool; `mine`: this layer's attention group's metadata."""
         return mine.backend.forward(q, k_cache, v_cache, mine, self.scale)
 
     def _mlp(self, h: torch.Tensor, decode_only: bool = False) -> torch.Tensor:
@@ -138,9 +141,10 @@ class DecoderLayer(nn.Module):
         each (engine/models/cpu_fused.py); CPU, float32."""
         ops, norm1, norm2 = self.fused, self.input_layernorm, self.post_attention_layernorm
         qkv = self._norm_heads(self.qkv_proj(ops.rms_norm(x, norm1.weight, norm1.eps)))
-        q = ops.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+        mine = meta.for_layer(self.index, self.window)
+        q = ops.rope_store(qkv, cos, sin, k_cache, v_cache, mine.slot_mapping,
                            self.spec.num_heads)
-        attn = self._attend(q, k_cache, v_cache, meta)
+        attn = self._attend(q, k_cache, v_cache, mine)
         out = self._sum(self.o_proj(attn.flatten(1)))  # [N, hidden]: the norm adds x in place
         h = ops.rms_norm(out, norm2.weight, norm2.eps, residual=x)
         x = out  # x + o_proj(attn), bit for bit (float addition commutes)
@@ -182,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
         windows = spec.layer_windows or [spec.sliding_window] * spec.num_layers
         shared = moe.shared_inter // shard.size if moe else 0  # this rank's shared expert rows
         self.layers = nn.ModuleList(DecoderLayer(self.spec, config, inter // shard.size, comm,
-                                                 window, shared) for window in windows)
+                                                 window, shared, i)
+                                    for i, window in enumerate(windows))
         self.norm = RMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             spec.hidden_size, vocab_rows, bias=False)
@@ -232,8 +237,9 @@ class LlamaForCausalLM(nn.Module):
             rope_long_after=long_rope_after(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [N]; kv_cache [layers, 2, slots, Hkv, D] → hidden [N, hidden]."""
+                kv_cache: Sequence[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions [N]; kv_cache: each layer's [2, slots, Hkv, D] → hidden
+        [N, hidden]."""
         x = self._embed(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)

@@ -29,6 +29,12 @@ class ModelSpec:
     # every layer has sliding_window.
     layer_windows: tuple[int | None, ...] | None = None
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None: full attention)."""
+        return self.layer_windows or (self.sliding_window,) * self.num_layers
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, layers: int | None = None) -> int:
+        """K and V of one token over all layers (or over `layers` of them)."""
+        count = self.num_layers if layers is None else layers
+        return 2 * count * self.num_kv_heads * self.head_dim * dtype.itemsize

@@ -108,9 +108,8 @@ class PagedBatching(Scheduler):
         return True
 
     def _free_slots(self, seq: Sequence) -> int:
-        """Token slots `seq` can still write: the rest of its own blocks plus every free block."""
-        own = len(seq.block_table) * self.block_size - seq.num_computed_tokens
-        return own + self.allocator.num_free_blocks * self.block_size
+        """Token slots `seq` can still write: the rest of its own blocks plus the free ones."""
+        return self.allocator.free_slots(seq)
 
     def _admit_waiting(self, budget: int, picked: dict[Sequence, int]) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:

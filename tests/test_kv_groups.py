@@ -1,0 +1,210 @@
+"""KV groups (engine/kv/layout.py): models mixing full and windowed layers keep, in their
+windowed layers, only the window's KV. Layouts, the multi-table block manager, and served
+tokens equal to transformers generate in every configuration that uses them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.kv.block_manager import MAX_SEQ_TOKENS, BlockManager
+from engine.kv.budget import build_allocator, plan_kv
+from engine.kv.layout import MAX_TABLES, blocks_held, hybrid_layout, kv_layout, shared_layout
+from engine.outputs import SampledToken
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SCHEDULERS
+from engine.sequence import FinishReason, Sequence
+from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
+from tests.models_fixtures import build_tiny_model
+
+S, F = 6, None  # a windowed layer (6 tokens) and a full one
+GEMMA3_1B = tuple(F if i % 6 == 5 else 512 for i in range(26))  # one full layer in six
+
+
+def test_layers_split_into_equal_groups_with_a_table_each() -> None:
+    layout = hybrid_layout(GEMMA3_1B)
+    assert layout.num_tensors == 4  # the fewest layers of a kind (4 full ones)
+    assert layout.group_windows == (512,) * 6 + (F,) and layout.num_tables == 7
+    assert layout.table_windows == (512,) * 6 + (F,)
+    for group in range(7):  # each group's layers in distinct tensors, its window's layers
+        layers = [i for i, g in enumerate(layout.layer_groups) if g == group]
+        assert [layout.layer_tensors[i] for i in layers] == list(range(len(layers)))
+        assert {GEMMA3_1B[i] for i in layers} == {layout.group_windows[group]}
+    assert [layout.layer_groups.count(g) for g in range(7)] == [4, 4, 4, 4, 4, 2, 4]
+
+
+def test_one_odd_layer_does_not_make_a_table_per_layer() -> None:
+    windows = (F,) + (S,) * 25
+    layout = hybrid_layout(windows)
+    assert layout.num_tables <= MAX_TABLES and layout.num_tensors == 4
+
+
+def test_shared_layout_where_a_table_must_hold_every_layer() -> None:
+    mixed = (S, F, S, F)
+    assert kv_layout(mixed, paged=True, prefix_caching=False).num_tables == 2
+    for layout in (kv_layout(mixed, paged=False, prefix_caching=False),
+                   kv_layout(mixed, paged=True, prefix_caching=True)):
+        assert layout.num_tables == 1 and layout.num_tensors == 4
+        assert layout.table_windows == (None,) and layout.group_windows == (S, F)
+    assert kv_layout((S, S), paged=True, prefix_caching=False) == shared_layout((S, S))
+    assert shared_layout((S, S)).table_windows == (S,)
+
+
+def test_blocks_held_by_a_sequence() -> None:
+    # blocks of 4, window 6: at most ceil(5 / 4) + 2 = 4 blocks in the windowed table
+    assert blocks_held((F, S), 40, 4) == 10 + 4
+    assert blocks_held((F, S), 8, 4) == 2 + 2
+    assert blocks_held((S,), 10_000, 4) == 4
+
+
+def make_seq(seq_id: int, tokens: int, max_new: int = 4) -> Sequence:
+    return Sequence(seq_id, [100 + seq_id] * tokens,
+                    SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+
+
+def test_every_table_grows_together_and_the_windowed_one_slides() -> None:
+    pool = BlockManager(num_blocks=20, block_size=4, table_windows=(F, S))
+    seq = make_seq(0, 17)
+    assert pool.free_slots(seq) == 10 * 4  # a block position costs a block in each table
+    assert pool.can_allocate(seq, 17) and not pool.can_allocate(make_seq(1, 41), 41)
+    pool.allocate(seq, 17)
+    assert [len(t) for t in seq.block_tables] == [5, 5] and pool.num_free_blocks == 10
+    seq.num_computed_tokens = 17  # the next query (position 17) sees 12..17: blocks 3 and 4
+    pool.release_outside_window(seq)
+    assert seq.block_tables[1][:3] == [pool.outside_window] * 3 and pool.num_free_blocks == 13
+    assert seq.block_tables[0].count(pool.outside_window) == 0
+    pool.check_integrity([seq])
+    pool.free(seq)
+    assert seq.block_tables == [[]] and pool.num_free_blocks == 20
+    pool.check_integrity([seq])
+
+
+def test_the_longest_sequence_depends_on_chunking() -> None:
+    whole = BlockManager(20, 4, table_windows=(F, S))
+    chunked = BlockManager(20, 4, table_windows=(F, S), whole_prompts=False)
+    assert whole.max_seq_tokens == 40  # a whole prompt: every table holds it at once
+    assert chunked.max_seq_tokens == 64  # 16 full blocks + the window's 4
+    assert BlockManager(20, 4, table_windows=(S,), whole_prompts=False).max_seq_tokens \
+        == MAX_SEQ_TOKENS  # a window only: no length fills the pool
+
+
+def test_the_pool_plan_counts_block_ids_of_a_group_of_layers() -> None:
+    layout = hybrid_layout((S, F, S, F, S, F))  # 2 tables of 3 layers
+    config = EngineConfig(model="unused", batching="paged", block_size=4, max_num_seqs=2,
+                          kv_cache_memory=2**20, enable_chunked_prefill=True)
+    plan = plan_kv(config, 64, bytes_per_token=3 * 256, default_budget_bytes=0, layout=layout)
+    assert plan.num_blocks == 2 * 64 * 2 // 4  # capped at 2 sequences in every table
+    assert plan.max_concurrency == plan.num_blocks // (16 + 4)  # full table + window's blocks
+    pool = build_allocator(config, plan)
+    assert isinstance(pool, BlockManager) and pool.table_windows == (S, F)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_random_workload_over_two_tables_drains_clean(chunked: bool) -> None:
+    """Random prompts, aborts and a tight pool of windowed + full tables: preemptions happen,
+    integrity holds every step and every block comes back."""
+    rng = random.Random(3)
+    config = EngineConfig(model="unused", batching="paged", max_num_seqs=6, block_size=4,
+                          max_num_batched_tokens=rng.choice([5, 9]) if chunked else 64,
+                          enable_chunked_prefill=chunked)
+    pool = BlockManager(40, 4, table_windows=(S, F, S), whole_prompts=not chunked)
+    sched = SCHEDULERS["paged"](config, pool)
+    seqs: list[Sequence] = []
+    for step_no in range(3000):
+        if step_no < 200 and rng.random() < 0.3:
+            seq = make_seq(len(seqs), rng.randint(1, 30), max_new=rng.randint(1, 20))
+            seqs.append(seq)
+            sched.add(seq)
+        if seqs and rng.random() < 0.03:
+            sched.finish(rng.choice(seqs), FinishReason.ABORT)
+        batch = sched.schedule()
+        sched.check_integrity()
+        if batch is not None:
+            sched.postprocess(batch, [SampledToken(7, 0.0) if batch.is_sampled(i) else None
+                                      for i in range(len(batch.seqs))])
+            sched.check_integrity()
+            for seq in batch.seqs:  # a windowed table holds its window's blocks at most
+                held = [b for b in seq.block_tables[-1] if b != pool.outside_window]
+                assert seq.is_finished or len(held) <= blocks_held((S,), 10**6, 4)
+        if step_no > 200 and not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished() and sched.num_preemptions > 0
+    assert pool.num_free_blocks == 40 and all(not s.block_tables[0] for s in seqs)
+
+
+# Gemma 3 shaped: 7 layers, 2 full, 5 windowed -> groups of 2 layers: windowed (0, 1), (3, 4),
+# (5,) and full (2, 6); 4 block tables over 2 pool tensors (the short group's second is idle).
+KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+         "sliding_attention", "sliding_attention", "full_attention"]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("groups"), arch="gemma3",
+                            num_hidden_layers=7, layer_types=KINDS)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (23, 5, 31, 12)]
+    new_tokens = [40, 30, 25, 44]
+    refs = [hf_greedy(model, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
+    return path, prompts, new_tokens, refs
+
+
+CASES = {
+    "chunks": {"max_num_batched_tokens": 8},
+    "whole-prompts": {"enable_chunked_prefill": False},
+    "preemption": {"block_size": 4, "num_kv_blocks": 60, "max_num_batched_tokens": 8},
+    "padded-decode": {"padded_decode_on_cpu": True},
+    "async": {"async_scheduling": True, "max_num_batched_tokens": 8},
+    "fallback": {"model_impl": "transformers", "max_num_batched_tokens": 8},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_kv_serves_transformers_tokens(gemma3, case) -> None:
+    path, prompts, new_tokens, refs = gemma3
+    engine = make_engine(path, "paged", **{"block_size": 4, **CASES[case]})
+    layout = engine.runner.layout
+    assert (layout.num_tables, layout.num_tensors) == (4, 2)
+    assert engine.runner.kv_cache.shape[0] == 2
+    reqs = [Req(f"r{i}", p, greedy(n), 2 * i)
+            for i, (p, n) in enumerate(zip(prompts, new_tokens, strict=True))]
+    drive(engine, reqs)
+    assert [r.tokens for r in reqs] == refs
+    if case == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    if case == "padded-decode":
+        assert engine.runner.padded_decode.steps > 0
+
+
+def test_windowed_tables_keep_only_the_window(gemma3) -> None:
+    """Long sequences: the windowed tables hold the window's blocks, the full ones everything;
+    the same memory keeps more sequences than one table per layer would."""
+    path, prompts, _, _ = gemma3
+    engine = make_engine(path, "paged", block_size=4, max_num_batched_tokens=8)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy(50))
+    pool, peak = engine.scheduler.allocator, 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            windowed = [t for t, w in zip(seq.block_tables, pool.table_windows, strict=True)
+                        if w is not None]
+            peak = max(peak, *(len([b for b in t if b != pool.outside_window])
+                               for t in windowed))
+            full = seq.block_tables[pool.table_windows.index(None)]
+            assert pool.outside_window not in full
+    assert 0 < peak <= blocks_held((6,), 10**6, 4)
+    # 4 sequences of max_model_len with a tensor per layer (7 layers of 256 bytes a token)
+    memory = {"kv_cache_memory": 4 * 96 * 7 * 256, "max_num_seqs": 16, "block_size": 4}
+    cached = make_engine(path, "paged", enable_prefix_caching=True, block_size=4)
+    assert cached.runner.layout.num_tables == 1  # a cached block holds every layer's KV
+    plain = make_engine(path, "paged", kv_groups=False, **memory)
+    assert plain.runner.layout.num_tables == 1 and plain.runner.kv_cache.shape[0] == 7
+    grouped = make_engine(path, "paged", **memory)
+    assert plain.max_concurrency == 4 and grouped.max_concurrency == 9  # 336 blocks // 36
+    assert grouped.runner.kv_cache_bytes <= plain.runner.kv_cache_bytes * 1.01
