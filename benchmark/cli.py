@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmark import constrained, load_memory, model_impl
+from benchmark import constrained, kv_groups, load_memory, model_impl
 from benchmark.loadgen import LoadPlan
 from benchmark.options import (
     add_load_options,
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "for a GPU sweep; noise text, so ignore EOS)")
     random_model.add_argument("out", type=Path, help="a new or empty folder")
     random_model.add_argument("--preset", default="llama-1b",
-                              help="llama-1b, llama-7b or llama-tiny")
+                              help="llama-1b, llama-7b, llama-tiny or gemma3-small")
     random_model.add_argument("--tokenizer-from", type=Path,
                               help="a model folder (default: the embedded default model)")
     random_model.add_argument("--dtype", default="bfloat16", help="bfloat16, float16, float32")
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     load_memory.add_parser(sub)
     constrained.add_parsers(sub)
     model_impl.add_parser(sub)
+    kv_groups.add_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stall": _stall, "decode": _decode, "profile": _profile,
                 "random-model": _random_model, "load-memory": load_memory.run,
                 "grammar-masks": constrained.grammar_masks, "constrained": constrained.constrained,
-                "model-impl": model_impl.run}
+                "model-impl": model_impl.run, "kv-groups": kv_groups.run}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message

@@ -1,4 +1,5 @@
-"""Random-weight Llama models of a chosen size, for benchmarks on a big model with no model hub.
+"""Random-weight Llama models of a chosen size (and a Gemma 3-shaped one), for benchmarks on a
+big model with no model hub.
 
 The weights are noise, so the text is too: run such a model with EOS ignored (the LMI workload
 does). Only the shapes matter for speed, and they are those of the named Llama.
@@ -10,7 +11,7 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,13 @@ PRESETS: dict[str, dict] = {
     "llama-tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2,
                    "max_position_embeddings": 2048, "tie_word_embeddings": False},
+    # Gemma 3's layer pattern (five 32-token-window layers, then a full one) at a small width:
+    # what KV groups (engine/kv/layout.py) save, on a CPU
+    "gemma3-small": {"model_type": "gemma3_text", "hidden_size": 256,
+                     "intermediate_size": 512, "num_hidden_layers": 12,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                     "sliding_window": 32, "max_position_embeddings": 2048,
+                     "tie_word_embeddings": False},
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,8 +51,11 @@ def build_random_llama(out: Path, tokenizer_dir: Path, preset: str = "llama-1b",
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"out: {out} is not empty; choose a new folder")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, **PRESETS[preset])
+    shapes = dict(PRESETS[preset])
+    config = AutoConfig.for_model(shapes.pop("model_type", "llama"), vocab_size=len(tokenizer),
+                                  bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, **shapes)
     torch.manual_seed(seed)
     # Initialised where it will run and in its dtype: a 1B model in float32 takes minutes on a
     # small CPU, and a 7B one in float32 would need 27 GB.

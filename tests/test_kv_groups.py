@@ -4,12 +4,14 @@ tokens equal to transformers generate in every configuration that uses them."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmark.cli import main as bench_main
 from engine.config import EngineConfig
 from engine.kv.block_manager import MAX_SEQ_TOKENS, BlockManager
 from engine.kv.budget import build_allocator, plan_kv
@@ -208,3 +210,15 @@ def test_windowed_tables_keep_only_the_window(gemma3) -> None:
     grouped = make_engine(path, "paged", **memory)
     assert plain.max_concurrency == 4 and grouped.max_concurrency == 9  # 336 blocks // 36
     assert grouped.runner.kv_cache_bytes <= plain.runner.kv_cache_bytes * 1.01
+
+
+def test_the_benchmark_compares_groups_with_one_table(gemma3, tmp_path) -> None:
+    path, _, _, _ = gemma3
+    assert bench_main(["kv-groups", str(path), "--requests", "4", "--batch", "4",
+                       "--prompt-tokens", "10", "--new-tokens", "86", "--kv-memory-mib", "0.5",
+                       "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "kv-groups.json").read_text())
+    groups, one = report["groups"], report["one_table"]
+    assert (groups["tables"], one["tables"]) == (4, 1)
+    assert groups["max_concurrency"] > one["max_concurrency"] > 0
+    assert groups["mean_batch"] > one["mean_batch"] and report["ratio"] > 0
