@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable
+from functools import cached_property
 
 from engine.kv.allocator import KVAllocator
 from engine.kv.layout import blocks_held
@@ -59,7 +60,7 @@ class BlockManager(KVAllocator):
     def num_free_blocks(self) -> int:
         return len(self._free) + len(self._evictable)
 
-    @property
+    @cached_property  # fixed at start-up; read for every request's validation
     def max_seq_tokens(self) -> int:
         """The most tokens one sequence can hold here. Prefilled whole, a prompt takes its
         blocks in every table at once; in chunks, a windowed table holds only its window's
