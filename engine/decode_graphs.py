@@ -5,7 +5,8 @@ smallest batch bucket >= B and power-of-two page width >= W. Its inputs live in 
 (fixed addresses, as graph replay needs); the B real rows are copied in and the padding rows
 point at the scratch block, the one block of the KV pool no sequence ever owns, so they write
 and read only there. Decode attention is the reference's gather + SDPA over one group, whose
-shapes depend on (Bp, Wp) alone.
+shapes depend on (Bp, Wp) alone. Layers with a sliding window read only the pages their window
+can span from each row's first visible one.
 
 On CUDA each bucket is captured as a CUDA graph after a start-up check against the eager path
 (see check_padded_decode); elsewhere the same padded computation runs eagerly, which is how CI
@@ -74,6 +75,8 @@ class PaddedDecode:
         self.pages = torch.full((tables, max_batch, max_pages), self.scratch_page, device=device)
         self.rows = torch.arange(max_batch, device=device)  # [max_batch]
         self.positions = torch.arange(max_pages * page_size, device=device)  # [T]
+        self.page_steps = torch.arange(max_pages, device=device)  # [max_pages]
+        self.in_page = torch.arange(page_size, device=device)  # [page_size]
         self.attention = ReferenceAttention()
         self.steps = 0  # decode steps run padded (tests check the path was taken)
         self.graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
@@ -123,13 +126,12 @@ class PaddedDecode:
         ids, positions, slots, (ctx, lo) = inputs[0], inputs[1], inputs[2:-2], inputs[-2:]
         pages = self.pages[:, :padded, :padded_width]  # [tables, padded, padded_width]
         rows = self.rows[:padded]
-        pos = self.positions[:padded_width * self.page_size]  # [T]
-        layout, staged, visible = self.layout, self.model.spec.sliding_window, {}
+        layout, staged, seen = self.layout, self.model.spec.sliding_window, {}
         for window in layout.group_windows:  # first visible position per window
             first = lo if window == staged else torch.zeros_like(ctx) if window is None \
                 else (ctx - window).clamp(min=0)
-            visible[window] = ((pos < ctx[:, None]) & (pos >= first[:, None]))[:, None, None, :]
-        groups = tuple(self._describe(slots[table], pages[table], rows, visible[window], window)
+            seen[window] = self._window_pages(ctx, first, window, padded_width)
+        groups = tuple(self._describe(slots[table], pages[table], rows, *seen[window], window)
                        for window, table in zip(layout.group_windows, layout.group_tables,
                                                 strict=True))
         meta = groups[0] if len(groups) == 1 else replace(
@@ -137,9 +139,30 @@ class PaddedDecode:
         hidden = self.model(ids, positions, meta, self.layer_caches)  # [padded, hidden]
         return self.model.compute_logits(hidden)
 
+    def _window_pages(self, ctx: torch.Tensor, first: torch.Tensor, window: int | None,
+                      padded_width: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Which of a row's pages layers attending within `window` read, and what of them is
+        visible: (page indices [Bp, S] or None for all, visible [Bp, 1, 1, S * page_size]).
+        A windowed layer reads only the S pages its window can span from the row's first
+        visible one (a fixed count: graph shapes stay static), not the whole context."""
+        page = self.page_size
+        span = padded_width if window is None else min(padded_width, (window - 1) // page + 2)
+        if span == padded_width:
+            pos = self.positions[:padded_width * page]  # [T]
+            return None, ((pos < ctx[:, None]) & (pos >= first[:, None]))[:, None, None, :]
+        index = (first // page)[:, None] + self.page_steps[:span]  # [Bp, S]
+        pos = (index[:, :, None] * page + self.in_page).flatten(1)  # [Bp, S * page]
+        # pages past the row's last are masked; clamped only so that the gather stays in range
+        return index.clamp(max=padded_width - 1), \
+            ((pos < ctx[:, None]) & (pos >= first[:, None]))[:, None, None, :]
+
     def _describe(self, slots: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
-                  visible: torch.Tensor, window: int | None) -> AttentionMetadata:
-        """slots [Bp], pages [Bp, Wp], visible [Bp, 1, 1, Wp * page_size]."""
+                  index: torch.Tensor | None, visible: torch.Tensor,
+                  window: int | None) -> AttentionMetadata:
+        """slots [Bp], pages [Bp, Wp] (the block table's), index [Bp, S] (those read) or None
+        (all), visible [Bp, 1, 1, S * page_size]."""
+        if index is not None:
+            pages = pages.gather(1, index)  # [Bp, S]
         return AttentionMetadata(
             slot_mapping=slots, page_size=self.page_size, decode_token_idx=rows,
             decode_pages=pages, decode_mask=visible, prefills=(), backend=self.attention,

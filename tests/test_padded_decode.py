@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.decode_graphs import batch_buckets, width_buckets
+from engine.decode_graphs import PaddedDecode, batch_buckets, width_buckets
 from engine.decode_graphs_setup import check_padded_decode, prepare_decode_graphs
+from engine.kv.layout import shared_layout
 from tests.engine_harness import (
     MAX_MODEL_LEN,
     Req,
@@ -104,6 +105,23 @@ def test_padding_rows_write_only_the_scratch_block_and_buffers_stay_put(tiny) ->
     # Padding rows write the same key and value each step: the slot changes the first time.
     assert scratch == [True, False, False, False], scratch
     assert len(pointers) == 1 and calls[-1] == (3, 1)
+
+
+def test_windowed_layers_read_only_the_pages_their_window_spans() -> None:
+    """A 12-token window over pages of 16 spans 2 pages, whatever the context: the padded step
+    gathers those (from each row's first visible page), and they show exactly the window."""
+    caches = [torch.zeros(2, 5 * 16, 1, 1)]
+    padded = PaddedDecode(None, caches, shared_layout((12,)), 64, 16, 4, 4)
+    ctx = torch.tensor([40, 5, 1, 64])
+    first = (ctx - 12).clamp(min=0)
+    index, visible = padded._window_pages(ctx, first, 12, padded_width=4)
+    assert index.shape == (4, 2) and visible.shape == (4, 1, 1, 32)
+    for b in range(4):
+        start = int(first[b]) // 16 * 16
+        seen = [start + t for t in range(32) if visible[b, 0, 0, t]]
+        assert seen == list(range(int(first[b]), int(ctx[b])))
+    assert padded._window_pages(ctx, first, None, 4)[0] is None  # full layers: every page
+    assert padded._window_pages(ctx, first, 40, 4)[0] is None  # the window spans them all
 
 
 def test_buckets_cover_every_batch_and_width() -> None:
