@@ -52,7 +52,7 @@ class EngineConfig:
     # CI's stand-in for CUDA graphs: on CPU too, pure decode steps run padded to the graphs'
     # buckets over their static buffers, checked at start-up (slower on CPU; for tests).
     padded_decode_on_cpu: bool = False
-    # Models mixing full and windowed layers, paged without a prefix cache: a block table per
+    # Models mixing full and windowed layers under paged batching: a block table per
     # group of layers, so windowed layers keep only their window (engine/kv/layout.py; vLLM's
     # hybrid KV cache manager). False: one table, every layer keeps every position.
     kv_groups: bool = True

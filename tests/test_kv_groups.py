@@ -47,12 +47,11 @@ def test_one_odd_layer_does_not_make_a_table_per_layer() -> None:
 
 def test_shared_layout_where_a_table_must_hold_every_layer() -> None:
     mixed = (S, F, S, F)
-    assert kv_layout(mixed, paged=True, prefix_caching=False).num_tables == 2
-    for layout in (kv_layout(mixed, paged=False, prefix_caching=False),
-                   kv_layout(mixed, paged=True, prefix_caching=True)):
-        assert layout.num_tables == 1 and layout.num_tensors == 4
-        assert layout.table_windows == (None,) and layout.group_windows == (S, F)
-    assert kv_layout((S, S), paged=True, prefix_caching=False) == shared_layout((S, S))
+    assert kv_layout(mixed, paged=True).num_tables == 2
+    layout = kv_layout(mixed, paged=False)  # contiguous: a max_model_len region per sequence
+    assert layout.num_tables == 1 and layout.num_tensors == 4
+    assert layout.table_windows == (None,) and layout.group_windows == (S, F)
+    assert kv_layout((S, S), paged=True) == shared_layout((S, S))
     assert shared_layout((S, S)).table_windows == (S,)
 
 
@@ -63,8 +62,9 @@ def test_blocks_held_by_a_sequence() -> None:
     assert blocks_held((S,), 10_000, 4) == 4
 
 
-def make_seq(seq_id: int, tokens: int, max_new: int = 4) -> Sequence:
-    return Sequence(seq_id, [100 + seq_id] * tokens,
+def make_seq(seq_id: int, tokens: int, max_new: int = 4, same: bool = False) -> Sequence:
+    """`tokens` tokens of its own (of every such sequence's, when `same`)."""
+    return Sequence(seq_id, [100 + (0 if same else seq_id)] * tokens,
                     SamplingParams(max_new_tokens=max_new, ignore_eos=True))
 
 
@@ -83,6 +83,39 @@ def test_every_table_grows_together_and_the_windowed_one_slides() -> None:
     pool.free(seq)
     assert seq.block_tables == [[]] and pool.num_free_blocks == 20
     pool.check_integrity([seq])
+
+
+def test_a_cached_prompt_is_shared_in_every_table_and_a_window_needs_only_its_blocks() -> None:
+    pool, out = BlockManager(40, 4, enable_prefix_caching=True, table_windows=(F, S)), None
+    out = pool.outside_window
+    first = make_seq(0, 21, same=True)  # 5 full blocks and a token
+    pool.allocate(first, 21)
+    first.num_computed_tokens = 21
+    pool.cache_full_blocks(first)  # cached before the window lets them go
+    pool.release_outside_window(first)  # position 21 sees 16..21: blocks 4 and 5
+    assert first.block_tables[1][:4] == [out] * 4
+    pool.check_integrity([first])
+    second = make_seq(1, 21, same=True)
+    assert pool.match_prefix(second) == 20  # 5 blocks; position 20 sees blocks 3 and 4
+    assert second.block_tables[0] == first.block_tables[0][:5]
+    windowed = second.block_tables[1]
+    assert windowed[:3] == [out] * 3 and windowed[4] == first.block_tables[1][4]
+    assert windowed[3] != out  # slid past in `first`, still cached: shared again
+    pool.check_integrity([first, second])
+    longer = make_seq(2, 29, same=True)  # block 5 was never full: the same 5 match
+    assert pool.match_prefix(longer) == 20 and pool.prefix_hits == 10
+    for seq in (first, second, longer):
+        pool.free(seq)
+    pool.check_integrity([])
+    assert pool.num_free_blocks == 40
+    assert pool.match_prefix(make_seq(3, 9, same=True)) == 8  # blocks 0 and 1, both tables
+    other = BlockManager(40, 4, enable_prefix_caching=True, table_windows=(F, S))
+    late = make_seq(4, 21, same=True)
+    other.allocate(late, 21)
+    late.num_computed_tokens = 21
+    other.release_outside_window(late)  # slid out before it was cached: gone for good
+    other.cache_full_blocks(late)
+    assert other.match_prefix(make_seq(5, 21, same=True)) == 0  # block 3 of the window is gone
 
 
 def test_the_longest_sequence_depends_on_chunking() -> None:
@@ -158,6 +191,7 @@ def gemma3(tmp_path_factory):
 
 CASES = {
     "chunks": {"max_num_batched_tokens": 8},
+    "prefix-cache": {"enable_prefix_caching": True, "max_num_batched_tokens": 8},
     "whole-prompts": {"enable_chunked_prefill": False},
     "preemption": {"block_size": 4, "num_kv_blocks": 60, "max_num_batched_tokens": 8},
     "padded-decode": {"padded_decode_on_cpu": True},
@@ -203,8 +237,6 @@ def test_windowed_tables_keep_only_the_window(gemma3) -> None:
     assert 0 < peak <= blocks_held((6,), 10**6, 4)
     # 4 sequences of max_model_len with a tensor per layer (7 layers of 256 bytes a token)
     memory = {"kv_cache_memory": 4 * 96 * 7 * 256, "max_num_seqs": 16, "block_size": 4}
-    cached = make_engine(path, "paged", enable_prefix_caching=True, block_size=4)
-    assert cached.runner.layout.num_tables == 1  # a cached block holds every layer's KV
     plain = make_engine(path, "paged", kv_groups=False, **memory)
     assert plain.runner.layout.num_tables == 1 and plain.runner.kv_cache.shape[0] == 7
     grouped = make_engine(path, "paged", **memory)
@@ -222,3 +254,48 @@ def test_the_benchmark_compares_groups_with_one_table(gemma3, tmp_path) -> None:
     assert (groups["tables"], one["tables"]) == (4, 1)
     assert groups["max_concurrency"] > one["max_concurrency"] > 0
     assert groups["mean_batch"] > one["mean_batch"] and report["ratio"] > 0
+
+
+def test_prefix_caching_with_kv_groups_serves_transformers_tokens(gemma3) -> None:
+    """Prompts sharing a 26-token prefix (longer than the window) after the first has run: their
+    prompts reuse its blocks in every table (a windowed table: those its window sees)."""
+    path, prompts, _, _ = gemma3
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    shared = prompts[2][:26]
+    asked = [shared + [7, 8, 9], shared + [40 + i for i in range(9)], shared[:13] + [5]]
+    refs = [hf_greedy(model, p, 12) for p in asked]
+    engine = make_engine(path, "paged", block_size=4, enable_prefix_caching=True)
+    assert engine.runner.layout.num_tables == 4
+    reqs = [Req(f"r{i}", p, greedy(12), 0 if i == 0 else 20) for i, p in enumerate(asked)]
+    drive(engine, reqs)
+    assert [r.tokens for r in reqs] == refs
+    assert engine.scheduler.allocator.prefix_hits == 6 + 3  # every shared full block
+
+
+def test_one_window_for_every_layer_frees_and_reuses_blocks_with_prefix_caching(tmp_path) -> None:
+    """Mistral (a 12-token window on every layer), prefix caching on: sequences give back what
+    they slide past, and later prompts with the same prefix still reuse the cached window."""
+    path = build_tiny_model(tmp_path, arch="mistral")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    shared = list(range(10, 40))
+    asked = [shared + [5], shared + [6, 7], shared[:20] + [8]]
+    refs = [hf_greedy(model, p, 30) for p in asked]
+    engine = make_engine(path, "paged", block_size=4, enable_prefix_caching=True)
+    pool = engine.scheduler.allocator
+    assert pool.table_windows == (12,)
+    reqs = [Req(f"r{i}", p, greedy(30), 0 if i == 0 else 40) for i, p in enumerate(asked)]
+    by_id, slid = {r.request_id: r for r in reqs}, 0
+    pending = list(reqs)
+    for step in range(500):
+        while pending and pending[0].arrive_at_step <= step:
+            r = pending.pop(0)
+            engine.add_request(r.request_id, r.prompt, r.params)
+        if not pending and not engine.has_unfinished():
+            break
+        for event in engine.step():
+            if event.token_id is not None:
+                by_id[event.request_id].tokens.append(event.token_id)
+        engine.scheduler.check_integrity()
+        slid += sum(s.block_table.count(pool.outside_window) for s in engine.scheduler.running)
+    assert [r.tokens for r in reqs] == refs
+    assert slid > 0 and pool.prefix_hits == 7 + 5  # every shared full block

@@ -39,18 +39,16 @@ class BlockManager(KVAllocator):
         super().__init__(num_blocks=num_blocks, block_size=block_size)
         self.whole_prompts = whole_prompts
         self.enable_prefix_caching = enable_prefix_caching
-        windows = table_windows or (sliding_window,)
-        assert len(windows) == 1 or not enable_prefix_caching, "a cached block is one table's"
-        # Prefix caching keeps whole prompts reusable, so it keeps their blocks too.
-        self.table_windows = (None,) if enable_prefix_caching else tuple(windows)
+        self.table_windows = tuple(table_windows or (sliding_window,))
         self.num_tables = len(self.table_windows)
         self.outside_window = num_blocks  # the runner's scratch block: never allocated
         self._ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._hash_of: dict[int, int] = {}  # block id -> hash of its key
+        # block id -> (its table, hash of its key): each table caches its own blocks
+        self._hash_of: dict[int, tuple[int, int]] = {}
         self._key_of: dict[int, _BlockKey] = {}
-        self._block_by_hash: dict[int, int] = {}
+        self._block_by_hash: dict[tuple[int, int], int] = {}
         # seq id -> (leading blocks already hashed, hash of the last of them)
         self._hashed: dict[int, tuple[int, int | None]] = {}
         self.prefix_queries = 0  # prompt blocks looked up
@@ -134,31 +132,66 @@ class BlockManager(KVAllocator):
         """Share cached blocks of a new sequence's prompt; returns tokens now computed.
 
         At least one prompt token is always left to compute: its logits give the first sample.
+        A full-attention table needs every matched block cached; a windowed one only those its
+        next query can see (the rest of its entries name the scratch block, as if slid past).
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
-        parent = None
+        keys = self._prompt_keys(seq)
+        cached = [[self._cached(t, h, key) for h, key in keys] for t in range(self.num_tables)]
+        matched = self._longest_match(cached)
+        self.prefix_queries += min(matched + 1, len(keys))
+        self.prefix_hits += matched
+        seq.block_tables = [
+            [self._share(blocks[i]) if i >= self._first_seen(matched, window)
+             else self.outside_window for i in range(matched)]
+            for blocks, window in zip(cached, self.table_windows, strict=True)]
+        seq.num_computed_tokens = matched * self.block_size
+        self._hashed[seq.seq_id] = (matched, keys[matched - 1][0] if matched else None)
+        return seq.num_computed_tokens
+
+    def _prompt_keys(self, seq: Sequence) -> list[tuple[int, _BlockKey]]:
+        """(hash, key) of each full prompt block but a last token's."""
+        keys, parent = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):
             key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
             parent = hash(key)
-            block = self._block_by_hash.get(parent)
-            self.prefix_queries += 1
-            if block is None or self._key_of[block] != key:
-                break
-            self.prefix_hits += 1
-            if self._ref[block] == 0:
-                del self._evictable[block]
-            self._ref[block] += 1
-            seq.block_table.append(block)
-        matched = len(seq.block_table)
-        seq.num_computed_tokens = matched * self.block_size
-        last_hash = self._hash_of[seq.block_table[-1]] if matched else None
-        self._hashed[seq.seq_id] = (matched, last_hash)
-        return seq.num_computed_tokens
+            keys.append((parent, key))
+        return keys
+
+    def _cached(self, table: int, block_hash: int, key: _BlockKey) -> int | None:
+        block = self._block_by_hash.get((table, block_hash))
+        return block if block is not None and self._key_of[block] == key else None
+
+    def _first_seen(self, matched: int, window: int | None) -> int:
+        """The first of `matched` blocks the next query (at matched * block_size) can see."""
+        if window is None:
+            return 0
+        return max(0, (matched * self.block_size - window + 1) // self.block_size)
+
+    def _longest_match(self, cached: list[list[int | None]]) -> int:
+        """The most leading prompt blocks every table has what it needs of."""
+        most = len(cached[0])
+        for blocks, window in zip(cached, self.table_windows, strict=True):
+            if window is None:
+                most = min(most, next((i for i, b in enumerate(blocks) if b is None), most))
+        for matched in range(most, 0, -1):
+            if all(b is not None
+                   for blocks, window in zip(cached, self.table_windows, strict=True)
+                   for b in blocks[self._first_seen(matched, window):matched]):
+                return matched
+        return 0
+
+    def _share(self, block: int) -> int:
+        if self._ref[block] == 0:
+            del self._evictable[block]
+        self._ref[block] += 1
+        return block
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish the sequence's newly completed blocks in the prefix cache."""
+        """Publish the sequence's newly completed blocks in the prefix cache (each table's under
+        its own key; a block already slid out of a window is gone)."""
         if not self.enable_prefix_caching:
             return
         done, parent = self._hashed.get(seq.seq_id, (0, None))
@@ -166,14 +199,17 @@ class BlockManager(KVAllocator):
         known = min(seq.num_computed_tokens, seq.num_known_tokens)
         full = min(known // self.block_size, len(seq.block_table))
         for i in range(done, full):
-            block = seq.block_table[i]
             key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
             parent = hash(key)
-            # An identical block may be cached already (same prefix computed twice): keep that one.
-            if parent not in self._block_by_hash and block not in self._hash_of:
-                self._block_by_hash[parent] = block
-                self._hash_of[block] = parent
-                self._key_of[block] = key
+            for table, blocks in enumerate(seq.block_tables):
+                block = blocks[i]
+                # An identical block may be cached already (same prefix computed twice): keep
+                # that one.
+                if (block != self.outside_window and (table, parent) not in self._block_by_hash
+                        and block not in self._hash_of):
+                    self._block_by_hash[(table, parent)] = block
+                    self._hash_of[block] = (table, parent)
+                    self._key_of[block] = key
         if full > done:
             self._hashed[seq.seq_id] = (full, parent)
 

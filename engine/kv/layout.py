@@ -2,16 +2,16 @@
 
 Models whose layers attend within different windows (Gemma 2/3, Qwen with max_window_layers)
 need not keep every position's KV in every layer: a windowed layer only ever reads the last
-`window` positions. Under paged batching without a prefix cache the layers are split into
+`window` positions. Under paged batching the layers are split into
 attention groups of equal size, each with its own block table, all drawing block ids from one
 pool (vLLM's hybrid allocator): the windowed groups' tables give back what their sequences slide
 past, while the full-attention groups keep everything. A block id then stands for the same slots
 in `group size` pool tensors, and the j-th layer of every group lives in tensor j, so no block's
 memory is idle whichever group holds it.
 
-Elsewhere (contiguous strategies, a prefix cache, one window for every layer) a sequence has one
-block table and every layer its own tensor; layers with different windows still read their own
-masks (one attention group per window).
+Elsewhere (contiguous strategies, one window for every layer) a sequence has one block table and
+every layer its own tensor; layers with different windows still read their own masks (one
+attention group per window).
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ def hybrid_layout(windows: tuple[int | None, ...]) -> KVLayout:
                     tuple(layer_groups), tuple(layer_tensors))
 
 
-def kv_layout(windows: tuple[int | None, ...], paged: bool, prefix_caching: bool) -> KVLayout:
+def kv_layout(windows: tuple[int | None, ...], paged: bool) -> KVLayout:
     """The layout for a model whose layers have `windows`: hybrid where windows differ and the
-    pool is paged without a prefix cache (a cached prompt block must hold every layer's KV)."""
-    if paged and not prefix_caching and len(set(windows)) > 1:
+    pool is paged."""
+    if paged and len(set(windows)) > 1:
         return hybrid_layout(windows)
     return shared_layout(windows)

@@ -57,7 +57,8 @@ class PagedBatching(Scheduler):
     def advance(self, batch: ScheduledBatch) -> None:
         super().advance(batch)
         for seq in batch.seqs:
-            if not seq.is_finished:
+            if not seq.is_finished:  # cached before a window lets them go: still reusable
+                self.allocator.cache_full_blocks(seq)
                 self.allocator.release_outside_window(seq)
 
     def resolve(self, batch: ScheduledBatch,
