@@ -50,6 +50,8 @@ gemma2 = fixture_for("gemma2")  # soft-capping, and a sliding window on every ot
                          ids=[f"{b}-{i}" for i, (b, _) in enumerate(STRATEGIES)])
 def test_fallback_greedy_equals_generate(request, family, batching, overrides) -> None:
     path, prompts, new, refs = request.getfixturevalue(family)
+    if family == "gemma2" and overrides.get("num_kv_blocks"):  # two block tables (KV groups),
+        overrides = {**overrides, "num_kv_blocks": 2 * overrides["num_kv_blocks"]}  # one layer each
     reqs = [Req(f"r{i}", p, greedy(n), arrive_at_step=i)
             for i, (p, n) in enumerate(zip(prompts, new, strict=True))]
     engine = make_engine(path, batching, model_impl="transformers", **overrides)  # Gemma 2:
