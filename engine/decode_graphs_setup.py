@@ -51,7 +51,8 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_num_seqs
 
 def check_padded_decode(runner: ModelRunner) -> float:
     """Max |padded - eager| logit over a synthetic decode step of rows with different
-    contexts (a bucket with padding rows); raises AssertionError past the dtype's tolerance.
+    contexts (a bucket with padding rows; one past a sliding window where the model has one,
+    the pool room and max_model_len allow); raises AssertionError past the dtype's tolerance.
     Uses the empty pool's first blocks and zeroes the pool afterwards."""
     padded = runner.padded_decode
     assert padded is not None, "enable_padded_decode() first"
@@ -60,7 +61,11 @@ def check_padded_decode(runner: ModelRunner) -> float:
     generator = torch.Generator().manual_seed(0)
     seqs = []
     tables = runner.layout.num_tables
-    for ctx in (5, bs + 3, 3 * bs + 1)[:padded.batch_buckets[-1]]:
+    contexts = [5, bs + 3, 3 * bs + 1]
+    windows = [w for w in runner.layout.group_windows if w is not None]
+    if windows:  # a row past the narrowest window: its layers read only the window's pages
+        contexts.append(min(windows) + page + 1)
+    for ctx in contexts[:padded.batch_buckets[-1]]:
         need = -(-ctx // bs)
         if need * tables > len(free) or not padded.fits(len(seqs) + 1, -(-ctx // page)):
             break

@@ -60,7 +60,8 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     budget = default_budget_bytes(device.type, config.gpu_memory_utilization)
     if comm is not None:  # every rank holds the same blocks: size them by the tightest rank
         budget = comm.agree_min(budget // shard.size if device.type == "cpu" else budget)
-    layout = kv_layout(spec.windows, not config.is_contiguous and config.kv_groups)
+    layout = kv_layout(spec.windows, not config.is_contiguous and config.kv_groups,
+                       max_model_len, config.block_size)
     kv = plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype, layout.num_tensors),
                  budget, layout)
     if layout.is_hybrid:

@@ -47,19 +47,22 @@ def test_one_odd_layer_does_not_make_a_table_per_layer() -> None:
 
 def test_shared_layout_where_a_table_must_hold_every_layer() -> None:
     mixed = (S, F, S, F)
-    assert kv_layout(mixed, paged=True).num_tables == 2
-    layout = kv_layout(mixed, paged=False)  # contiguous: a max_model_len region per sequence
+    assert kv_layout(mixed, True, 64, 4).num_tables == 2
+    layout = kv_layout(mixed, False, 64, 4)  # contiguous: a max_model_len region per sequence
     assert layout.num_tables == 1 and layout.num_tensors == 4
     assert layout.table_windows == (None,) and layout.group_windows == (S, F)
-    assert kv_layout((S, S), paged=True) == shared_layout((S, S))
+    assert kv_layout((S, S), True, 64, 4) == shared_layout((S, S))
     assert shared_layout((S, S)).table_windows == (S,)
+    # one windowed layer among 27 full ones: 8 groups of 4 (the windowed one padded to 4) would
+    # hold more than one table of 28 layers
+    assert kv_layout((F,) * 27 + (4096,), True, 32768, 16).num_tables == 1
 
 
 def test_blocks_held_by_a_sequence() -> None:
-    # blocks of 4, window 6: at most ceil(5 / 4) + 2 = 4 blocks in the windowed table
-    assert blocks_held((F, S), 40, 4) == 10 + 4
+    # blocks of 4, window 6: at most ceil(5 / 4) + 1 = 3 blocks in the windowed table
+    assert blocks_held((F, S), 40, 4) == 10 + 3
     assert blocks_held((F, S), 8, 4) == 2 + 2
-    assert blocks_held((S,), 10_000, 4) == 4
+    assert blocks_held((S,), 10_000, 4) == 3
 
 
 def make_seq(seq_id: int, tokens: int, max_new: int = 4, same: bool = False) -> Sequence:
@@ -109,6 +112,7 @@ def test_a_cached_prompt_is_shared_in_every_table_and_a_window_needs_only_its_bl
     pool.check_integrity([])
     assert pool.num_free_blocks == 40
     assert pool.match_prefix(make_seq(3, 9, same=True)) == 8  # blocks 0 and 1, both tables
+    assert pool._cached_prompt(make_seq(9, 400))[1] == []  # a full table's miss ends the walk
     other = BlockManager(40, 4, enable_prefix_caching=True, table_windows=(F, S))
     late = make_seq(4, 21, same=True)
     other.allocate(late, 21)
@@ -122,7 +126,7 @@ def test_the_longest_sequence_depends_on_chunking() -> None:
     whole = BlockManager(20, 4, table_windows=(F, S))
     chunked = BlockManager(20, 4, table_windows=(F, S), whole_prompts=False)
     assert whole.max_seq_tokens == 40  # a whole prompt: every table holds it at once
-    assert chunked.max_seq_tokens == 64  # 16 full blocks + the window's 4
+    assert chunked.max_seq_tokens == 68  # 17 full blocks + the window's 3
     assert BlockManager(20, 4, table_windows=(S,), whole_prompts=False).max_seq_tokens \
         == MAX_SEQ_TOKENS  # a window only: no length fills the pool
 
@@ -133,9 +137,15 @@ def test_the_pool_plan_counts_block_ids_of_a_group_of_layers() -> None:
                           kv_cache_memory=2**20, enable_chunked_prefill=True)
     plan = plan_kv(config, 64, bytes_per_token=3 * 256, default_budget_bytes=0, layout=layout)
     assert plan.num_blocks == 2 * 64 * 2 // 4  # capped at 2 sequences in every table
-    assert plan.max_concurrency == plan.num_blocks // (16 + 4)  # full table + window's blocks
+    assert plan.max_concurrency == plan.num_blocks // (16 + 3)  # full table + window's blocks
     pool = build_allocator(config, plan)
     assert isinstance(pool, BlockManager) and pool.table_windows == (S, F)
+
+
+def test_a_pool_with_fewer_blocks_than_tables_is_refused_at_start_up() -> None:
+    config = EngineConfig(model="unused", batching="paged", block_size=4, num_kv_blocks=6)
+    with pytest.raises(ValueError, match="6 blocks, fewer than the 7 block tables"):
+        plan_kv(config, 64, 256, 0, hybrid_layout(GEMMA3_1B))
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -240,7 +250,7 @@ def test_windowed_tables_keep_only_the_window(gemma3) -> None:
     plain = make_engine(path, "paged", kv_groups=False, **memory)
     assert plain.runner.layout.num_tables == 1 and plain.runner.kv_cache.shape[0] == 7
     grouped = make_engine(path, "paged", **memory)
-    assert plain.max_concurrency == 4 and grouped.max_concurrency == 9  # 336 blocks // 36
+    assert plain.max_concurrency == 4 and grouped.max_concurrency == 10  # 336 blocks // 33
     assert grouped.runner.kv_cache_bytes <= plain.runner.kv_cache_bytes * 1.01
 
 

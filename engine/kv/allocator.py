@@ -46,7 +46,7 @@ class KVAllocator(ABC):
 
     @abstractmethod
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Extend `seq.block_table` so its next `num_new_tokens` tokens have slots."""
+        """Extend `seq`'s block tables so its next `num_new_tokens` tokens have slots."""
 
     @abstractmethod
     def free(self, seq: Sequence) -> None:

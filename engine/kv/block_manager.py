@@ -138,27 +138,36 @@ class BlockManager(KVAllocator):
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
-        keys = self._prompt_keys(seq)
-        cached = [[self._cached(t, h, key) for h, key in keys] for t in range(self.num_tables)]
+        cached, hashes = self._cached_prompt(seq)
         matched = self._longest_match(cached)
-        self.prefix_queries += min(matched + 1, len(keys))
+        self.prefix_queries += min(matched + 1, (seq.num_tokens - 1) // self.block_size)
         self.prefix_hits += matched
         seq.block_tables = [
             [self._share(blocks[i]) if i >= self._first_seen(matched, window)
              else self.outside_window for i in range(matched)]
             for blocks, window in zip(cached, self.table_windows, strict=True)]
         seq.num_computed_tokens = matched * self.block_size
-        self._hashed[seq.seq_id] = (matched, keys[matched - 1][0] if matched else None)
+        self._hashed[seq.seq_id] = (matched, hashes[matched - 1] if matched else None)
         return seq.num_computed_tokens
 
-    def _prompt_keys(self, seq: Sequence) -> list[tuple[int, _BlockKey]]:
-        """(hash, key) of each full prompt block but a last token's."""
-        keys, parent = [], None
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
+    def _cached_prompt(self, seq: Sequence) -> tuple[list[list[int | None]], list[int]]:
+        """Each table's cached block (None: not cached) for the leading full prompt blocks but
+        a last token's, and their hashes; the walk ends where a full-attention table misses (no
+        match reaches past that)."""
+        full = [t for t, window in enumerate(self.table_windows) if window is None]
+        cached: list[list[int | None]] = [[] for _ in self.table_windows]
+        hashes: list[int] = []
+        parent, bs = None, self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            key = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             parent = hash(key)
-            keys.append((parent, key))
-        return keys
+            found = [self._cached(t, parent, key) for t in range(self.num_tables)]
+            if any(found[t] is None for t in full):
+                break
+            hashes.append(parent)
+            for blocks, block in zip(cached, found, strict=True):
+                blocks.append(block)
+        return cached, hashes
 
     def _cached(self, table: int, block_hash: int, key: _BlockKey) -> int | None:
         block = self._block_by_hash.get((table, block_hash))
@@ -171,15 +180,19 @@ class BlockManager(KVAllocator):
         return max(0, (matched * self.block_size - window + 1) // self.block_size)
 
     def _longest_match(self, cached: list[list[int | None]]) -> int:
-        """The most leading prompt blocks every table has what it needs of."""
-        most = len(cached[0])
+        """The most leading prompt blocks every windowed table has the visible ones of (the
+        full tables have all of them: the walk stopped at their first miss)."""
+        runs = []  # per windowed table: cached blocks in a row ending at each block
         for blocks, window in zip(cached, self.table_windows, strict=True):
-            if window is None:
-                most = min(most, next((i for i, b in enumerate(blocks) if b is None), most))
-        for matched in range(most, 0, -1):
-            if all(b is not None
-                   for blocks, window in zip(cached, self.table_windows, strict=True)
-                   for b in blocks[self._first_seen(matched, window):matched]):
+            if window is not None:
+                run, length = [], 0
+                for block in blocks:
+                    length = length + 1 if block is not None else 0
+                    run.append(length)
+                runs.append((window, run))
+        for matched in range(len(cached[0]), 0, -1):
+            if all(run[matched - 1] >= matched - self._first_seen(matched, window)
+                   for window, run in runs):
                 return matched
         return 0
 

@@ -56,6 +56,11 @@ def plan_kv(config: EngineConfig, max_model_len: int, bytes_per_token: int,
             f"KV budget ({sized_by}) holds {tokens} tokens, less than one block of "
             f"{block_size} tokens ({'max_model_len' if config.is_contiguous else 'block_size'}); "
             "raise kv_cache_memory / num_kv_blocks or lower max_model_len")
+    if num_blocks < layout.num_tables:
+        raise ValueError(
+            f"KV budget ({sized_by}) holds {num_blocks} blocks, fewer than the "
+            f"{layout.num_tables} block tables of this model's layer groups (a sequence takes "
+            "a block in each); raise kv_cache_memory / num_kv_blocks")
     return KVPlan(num_blocks, block_size, bytes_per_token,
                   max_concurrency(num_blocks, block_size, max_model_len, layout), sized_by,
                   layout)

@@ -71,13 +71,13 @@ class KVLayout:
 
 
 def blocks_held(table_windows: tuple[int | None, ...], tokens: int, block_size: int) -> int:
-    """Blocks one sequence of `tokens` tokens holds at most, over its tables, when its prompt
-    is prefilled in chunks (a windowed table: the blocks its window spans, plus the one being
-    filled)."""
+    """Blocks one sequence of `tokens` tokens holds at most between steps, over its tables,
+    when its prompt is prefilled in chunks (a windowed table: the blocks the next query's
+    window spans, its own position included; the rest were given back after the last step)."""
     full = -(-tokens // block_size)
     total = 0
     for window in table_windows:
-        span = full if window is None else -(-(window - 1) // block_size) + 2
+        span = full if window is None else -(-(window - 1) // block_size) + 1
         total += min(full, span)
     return total
 
@@ -111,9 +111,15 @@ def hybrid_layout(windows: tuple[int | None, ...]) -> KVLayout:
                     tuple(layer_groups), tuple(layer_tensors))
 
 
-def kv_layout(windows: tuple[int | None, ...], paged: bool) -> KVLayout:
-    """The layout for a model whose layers have `windows`: hybrid where windows differ and the
-    pool is paged."""
-    if paged and len(set(windows)) > 1:
-        return hybrid_layout(windows)
-    return shared_layout(windows)
+def kv_layout(windows: tuple[int | None, ...], paged: bool, max_model_len: int,
+              block_size: int) -> KVLayout:
+    """The layout for a model whose layers have `windows`: hybrid where windows differ, the
+    pool is paged and a sequence of max_model_len tokens then takes less memory (a few
+    windowed layers among many full ones would pay more for padded groups than they save)."""
+    shared = shared_layout(windows)
+    if not paged or len(set(windows)) == 1:
+        return shared
+    hybrid = hybrid_layout(windows)
+    cost = {layout: layout.blocks_per_sequence(max_model_len, block_size) * layout.num_tensors
+            for layout in (shared, hybrid)}  # layer-blocks one long sequence holds
+    return hybrid if cost[hybrid] < cost[shared] else shared
