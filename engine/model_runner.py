@@ -7,7 +7,6 @@ aranges are derived on the device from the uploaded integers.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -15,9 +14,7 @@ import torch
 from engine.attention.reference import (
     AttentionBackend,
     AttentionMetadata,
-    PrefillRow,
     ReferenceAttention,
-    causal_mask,
     page_size_for,
 )
 from engine.decode_graphs import PaddedDecode
@@ -30,6 +27,7 @@ from engine.sampler import SampledRows, Sampler
 from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_buffer import StepBuffer
+from engine.step_metadata import StepViews, describe_step
 from engine.step_plan import StepPlan, pack_step
 
 
@@ -246,49 +244,6 @@ class ModelRunner:
 
     def _metadata(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
                   page_spans: list[tuple[int, int]]) -> AttentionMetadata:
-        """The step for each attention group: its block table's slots and pages, its window's
-        masks (built once per window)."""
-        layout, masks = self.layout, {}
-        groups = tuple(self._describe(views, decodes, prefills, page_spans, table, window, masks)
-                       for window, table in zip(layout.group_windows, layout.group_tables,
-                                                strict=True))
-        if len(groups) == 1:
-            return groups[0]
-        return replace(groups[0], groups=groups, layer_groups=layout.layer_groups)
-
-    def _describe(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
-                  page_spans: list[tuple[int, int]], table: int, window: int | None,
-                  masks: dict) -> AttentionMetadata:
-        """The step for layers reading block table `table` within `window`; `masks` keeps each
-        window's masks for the other groups with that window."""
-        if window not in masks:
-            masks[window] = self._masks(views, decodes, prefills, window)
-        prefill_masks, decode = masks[window]
-        rows = tuple(
-            PrefillRow(row, n, ctx, views["prefill_pages"][table][a:b], mask)
-            for (row, n, _, ctx), (a, b), mask in zip(prefills, page_spans, prefill_masks,
-                                                      strict=True))
-        if decodes:
-            decode = {**decode, "decode_pages": views["decode_pages"][table]}  # [B, max_pages]
-        meta = AttentionMetadata(
-            slot_mapping=views["tokens"][2 + table], page_size=self.page_size, prefills=rows,
-            backend=self.attention, window=window, **decode)
-        return replace(meta, backend_state=self.attention.prepare(meta))
-
-    def _masks(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
-               window: int | None) -> tuple[list, dict]:
-        """What layers attending within `window` may see: each prefill row's mask, and the
-        decode rows' visible positions (their pages are the block table's)."""
-        prefill_masks = [causal_mask(n, ctx, window, self.device) for _, n, _, ctx in prefills]
-        decode: dict = {"decode_token_idx": None, "decode_pages": None, "decode_mask": None}
-        if decodes:
-            width = views["decode_pages"].shape[2]
-            token_idx, ctx, lo, order = views["decode"]  # [B] each
-            if window != self.spec.sliding_window:
-                lo = torch.zeros_like(ctx) if window is None else (ctx - window).clamp(min=0)
-            pos = torch.arange(width * self.page_size, device=self.device)  # [T]
-            visible = (pos < ctx[:, None]) & (pos >= lo[:, None])  # [B, T]
-            decode = {"decode_token_idx": token_idx, "decode_mask": visible[:, None, None, :],
-                      "decode_context_lens": tuple(c for _, _, c in decodes),
-                      "decode_ctx": ctx, "decode_lo": lo, "decode_order": order}
-        return prefill_masks, decode
+        """The step as attention sees it, per attention group (engine/step_metadata.py)."""
+        return describe_step(StepViews(views, decodes, prefills, page_spans), self.layout,
+                             self.attention, self.page_size, self.spec.sliding_window)
