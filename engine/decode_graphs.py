@@ -23,6 +23,7 @@ import torch
 
 from engine.attention.reference import AttentionMetadata, DecodeGroup, ReferenceAttention
 from engine.kv.layout import KVLayout
+from engine.step_metadata import first_visible
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +128,8 @@ class PaddedDecode:
         pages = self.pages[:, :padded, :padded_width]  # [tables, padded, padded_width]
         rows = self.rows[:padded]
         layout, staged, seen = self.layout, self.model.spec.sliding_window, {}
-        for window in layout.group_windows:  # first visible position per window
-            first = lo if window == staged else torch.zeros_like(ctx) if window is None \
-                else (ctx - window).clamp(min=0)
+        for window in layout.group_windows:
+            first = first_visible(ctx, lo, window, staged)
             seen[window] = self._window_pages(ctx, first, window, padded_width)
         groups = tuple(self._describe(slots[table], pages[table], rows, *seen[window], window)
                        for window, table in zip(layout.group_windows, layout.group_tables,

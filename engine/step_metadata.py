@@ -60,6 +60,15 @@ def _describe_group(step: StepViews, table: int, window: int | None,
     return replace(meta, backend_state=backend.prepare(meta))
 
 
+def first_visible(ctx: torch.Tensor, staged_lo: torch.Tensor, window: int | None,
+                  staged_window: int | None) -> torch.Tensor:
+    """[B] first position decode rows of contexts `ctx` see within `window` (`staged_lo` holds
+    it for `staged_window`, as the runner uploaded it)."""
+    if window == staged_window:
+        return staged_lo
+    return torch.zeros_like(ctx) if window is None else (ctx - window).clamp(min=0)
+
+
 def _window_masks(step: StepViews, window: int | None, page_size: int,
                   staged_window: int | None) -> tuple[list, dict]:
     """What layers attending within `window` may see: each prefill row's mask, and the
@@ -70,9 +79,8 @@ def _window_masks(step: StepViews, window: int | None, page_size: int,
     decode: dict = {"decode_token_idx": None, "decode_pages": None, "decode_mask": None}
     if step.decodes:
         width = views["decode_pages"].shape[2]
-        token_idx, ctx, lo, order = views["decode"]  # [B] each
-        if window != staged_window:
-            lo = torch.zeros_like(ctx) if window is None else (ctx - window).clamp(min=0)
+        token_idx, ctx, staged_lo, order = views["decode"]  # [B] each
+        lo = first_visible(ctx, staged_lo, window, staged_window)
         pos = torch.arange(width * page_size, device=device)  # [T]
         visible = (pos < ctx[:, None]) & (pos >= lo[:, None])  # [B, T]
         decode = {"decode_token_idx": token_idx, "decode_mask": visible[:, None, None, :],

@@ -43,8 +43,10 @@ def make_engine(path, batching: str, **overrides) -> LLMEngine:
     return LLMEngine.from_config(config)
 
 
-def drive(engine: LLMEngine, reqs: list[Req], max_steps: int = 5000) -> None:
-    """Feed requests at their arrival step, step until all finish, check integrity throughout."""
+def drive(engine: LLMEngine, reqs: list[Req], max_steps: int = 5000,
+          after_step: Callable[[LLMEngine], None] | None = None) -> None:
+    """Feed requests at their arrival step, step until all finish, check integrity throughout;
+    `after_step` looks at the engine after each step."""
     by_id = {r.request_id: r for r in reqs}
     pending = sorted(reqs, key=lambda r: r.arrive_at_step)
     for step in range(max_steps):
@@ -57,6 +59,8 @@ def drive(engine: LLMEngine, reqs: list[Req], max_steps: int = 5000) -> None:
             if event.token_id is not None:
                 by_id[event.request_id].tokens.append(event.token_id)
         engine.scheduler.check_integrity()
+        if after_step is not None:
+            after_step(engine)
     else:
         pytest.fail("engine did not drain")
     allocator = engine.scheduler.allocator

@@ -89,7 +89,7 @@ def test_every_table_grows_together_and_the_windowed_one_slides() -> None:
 
 
 def test_a_cached_prompt_is_shared_in_every_table_and_a_window_needs_only_its_blocks() -> None:
-    pool, out = BlockManager(40, 4, enable_prefix_caching=True, table_windows=(F, S)), None
+    pool = BlockManager(40, 4, enable_prefix_caching=True, table_windows=(F, S))
     out = pool.outside_window
     first = make_seq(0, 21, same=True)  # 5 full blocks and a token
     pool.allocate(first, 21)
@@ -232,19 +232,17 @@ def test_windowed_tables_keep_only_the_window(gemma3) -> None:
     the same memory keeps more sequences than one table per layer would."""
     path, prompts, _, _ = gemma3
     engine = make_engine(path, "paged", block_size=4, max_num_batched_tokens=8)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, greedy(50))
-    pool, peak = engine.scheduler.allocator, 0
-    while engine.has_unfinished():
-        engine.step()
-        for seq in engine.scheduler.running:
-            windowed = [t for t, w in zip(seq.block_tables, pool.table_windows, strict=True)
-                        if w is not None]
-            peak = max(peak, *(len([b for b in t if b != pool.outside_window])
-                               for t in windowed))
-            full = seq.block_tables[pool.table_windows.index(None)]
-            assert pool.outside_window not in full
-    assert 0 < peak <= blocks_held((6,), 10**6, 4)
+    pool, held = engine.scheduler.allocator, []  # blocks in each windowed table, every step
+
+    def look(stepped) -> None:
+        for seq in stepped.scheduler.running:
+            held.extend(len([b for b in t if b != pool.outside_window])
+                        for t, w in zip(seq.block_tables, pool.table_windows, strict=True)
+                        if w is not None)
+            assert pool.outside_window not in seq.block_tables[pool.table_windows.index(None)]
+
+    drive(engine, [Req(f"r{i}", p, greedy(50)) for i, p in enumerate(prompts)], after_step=look)
+    assert 0 < max(held) <= blocks_held((6,), 10**6, 4)
     # 4 sequences of max_model_len with a tensor per layer (7 layers of 256 bytes a token)
     memory = {"kv_cache_memory": 4 * 96 * 7 * 256, "max_num_seqs": 16, "block_size": 4}
     plain = make_engine(path, "paged", kv_groups=False, **memory)
@@ -294,18 +292,8 @@ def test_one_window_for_every_layer_frees_and_reuses_blocks_with_prefix_caching(
     pool = engine.scheduler.allocator
     assert pool.table_windows == (12,)
     reqs = [Req(f"r{i}", p, greedy(30), 0 if i == 0 else 40) for i, p in enumerate(asked)]
-    by_id, slid = {r.request_id: r for r in reqs}, 0
-    pending = list(reqs)
-    for step in range(500):
-        while pending and pending[0].arrive_at_step <= step:
-            r = pending.pop(0)
-            engine.add_request(r.request_id, r.prompt, r.params)
-        if not pending and not engine.has_unfinished():
-            break
-        for event in engine.step():
-            if event.token_id is not None:
-                by_id[event.request_id].tokens.append(event.token_id)
-        engine.scheduler.check_integrity()
-        slid += sum(s.block_table.count(pool.outside_window) for s in engine.scheduler.running)
+    slid = []  # entries given back, per step
+    drive(engine, reqs, after_step=lambda e: slid.append(sum(
+        s.block_table.count(pool.outside_window) for s in e.scheduler.running)))
     assert [r.tokens for r in reqs] == refs
-    assert slid > 0 and pool.prefix_hits == 7 + 5  # every shared full block
+    assert sum(slid) > 0 and pool.prefix_hits == 7 + 5  # every shared full block

@@ -126,16 +126,9 @@ def test_a_sliding_window_frees_the_blocks_sequences_slide_past(tmp_path) -> Non
     refs = [hf_greedy(model, p, 60) for p in prompts]
     engine = make_engine(path, "paged", block_size=4, num_kv_blocks=20)
     reqs = [Req(f"r{i}", p, greedy(60)) for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.add_request(r.request_id, r.prompt, r.params)
-    by_id, peak = {r.request_id: r for r in reqs}, 0
-    while engine.has_unfinished():
-        for event in engine.step():
-            if event.token_id is not None:
-                by_id[event.request_id].tokens.append(event.token_id)
-        engine.scheduler.check_integrity()
-        peak = max(peak, engine.scheduler.allocator.num_used_blocks)
+    used = []  # blocks in use after each step
+    drive(engine, reqs, after_step=lambda e: used.append(e.scheduler.allocator.num_used_blocks))
     assert [r.tokens for r in reqs] == refs
     assert engine.scheduler.num_preemptions == 0
-    assert peak <= 3 * (12 // 4 + 2)  # the window's blocks, the one being written, one spare
+    assert max(used) <= 3 * (12 // 4 + 2)  # the window's blocks, the one being written, one spare
     assert engine.scheduler.allocator.num_free_blocks == 20

@@ -30,16 +30,14 @@ class BlockManager(KVAllocator):
     """Paged allocator: blocks are taken as sequences grow and returned when they end."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 sliding_window: int | None = None,
-                 table_windows: tuple[int | None, ...] | None = None,
-                 whole_prompts: bool = True):
+                 table_windows: tuple[int | None, ...] = (None,), whole_prompts: bool = True):
         """`table_windows`: per block table, the window its blocks are freed behind (None:
-        kept); default one table with `sliding_window`. `whole_prompts`: prompts are
-        prefilled in one step (no chunking), so every table holds a whole prompt at once."""
+        kept); default one table that keeps them. `whole_prompts`: prompts are prefilled in
+        one step (no chunking), so every table holds a whole prompt at once."""
         super().__init__(num_blocks=num_blocks, block_size=block_size)
         self.whole_prompts = whole_prompts
         self.enable_prefix_caching = enable_prefix_caching
-        self.table_windows = tuple(table_windows or (sliding_window,))
+        self.table_windows = tuple(table_windows)
         self.num_tables = len(self.table_windows)
         self.outside_window = num_blocks  # the runner's scratch block: never allocated
         self._ref = [0] * num_blocks

@@ -75,17 +75,14 @@ def max_concurrency(num_blocks: int, block_size: int, max_model_len: int,
     return num_blocks // layout.blocks_per_sequence(max_model_len, block_size)
 
 
-def build_allocator(config: EngineConfig, plan: KVPlan,
-                    sliding_window: int | None = None) -> KVAllocator:
+def build_allocator(config: EngineConfig, plan: KVPlan) -> KVAllocator:
     """The strategy's allocator over the planned pool: a block table per table of the plan's
-    layout; `sliding_window`, the model's when every layer has it, frees what sequences slide
-    past in a one-table pool."""
+    layout, each freeing what sequences slide past where its layers share a window."""
     if config.is_contiguous:
         return ContiguousAllocator(num_slots=plan.num_blocks, max_model_len=plan.block_size)
-    windows = plan.layout.table_windows if plan.layout.is_hybrid else (sliding_window,)
     return BlockManager(plan.num_blocks, plan.block_size,
                         enable_prefix_caching=config.enable_prefix_caching,
-                        table_windows=windows,
+                        table_windows=plan.layout.table_windows,
                         whole_prompts=not config.enable_chunked_prefill)
 
 

@@ -37,8 +37,7 @@ def build_scheduler(config: EngineConfig, plan: KVPlan, spec: ModelSpec,
                        "differently (LongRoPE), so their KV cannot be shared", spec.architecture,
                        after)
         config = replace(config, enable_prefix_caching=False)
-    scheduler = SCHEDULERS[config.batching](config,
-                                            build_allocator(config, plan, spec.sliding_window))
+    scheduler = SCHEDULERS[config.batching](config, build_allocator(config, plan))
     scheduler.long_rope_after = after
     return scheduler
 
