@@ -220,12 +220,13 @@ class ModelRunner:
         self.buffer.put("decode", [[row for row, _, _ in decodes], contexts, lows, order],
                         shape=(4, len(decodes)))
         width = -(-max(contexts) // self.page_size)
-        pages = [[self._pages(tables[t], ctx) for _, tables, ctx in decodes]
-                 for t in range(self.layout.num_tables)]
-        # [tables, B, width]: each row's pages in each block table, padded with page 0
-        self.buffer.put("decode_pages", [p + [0] * (width - len(p)) for rows in pages
-                                         for p in rows],
-                        shape=(len(pages), len(decodes), width))
+        flat: list[int] = []  # [tables, B, width]: each row's pages per table, then page 0s
+        for t in range(self.layout.num_tables):
+            for _, tables, ctx in decodes:
+                pages = self._pages(tables[t], ctx)
+                flat += pages
+                flat += [0] * (width - len(pages))
+        self.buffer.put("decode_pages", flat, shape=(self.layout.num_tables, len(decodes), width))
 
     def _stage_prefill_pages(self, prefills: list[tuple[int, int, list[list[int]], int]]
                              ) -> list[tuple[int, int]]:

@@ -57,6 +57,11 @@ class Sampler:
 
     def stage(self, seqs: list[Sequence], buffer: StepBuffer) -> SamplingPlan:
         """Write the rows' parameters into `buffer` (sections s_*); nothing for plain greedy."""
+        if all(seq.params.argmax_only and seq.constraint is None and not _eos_masked(seq)
+               for seq in seqs):  # the common case, decided in one pass
+            return SamplingPlan(tuple(seq.params.top_logprobs for seq in seqs), plain_greedy=True,
+                                any_sampled=False, any_top_k=False, any_top_p=False,
+                                any_penalty=False, any_eos_mask=False)
         params = [seq.params for seq in seqs]
         eos_masked = [_eos_masked(seq) for seq in seqs]
         guided = tuple((seq.constraint, i) for i, seq in enumerate(seqs)

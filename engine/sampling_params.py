@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -81,6 +82,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
+
+    @cached_property  # read for every row of every step
+    def argmax_only(self) -> bool:
+        """Greedy with no penalty: the token is the argmax of the raw logits."""
+        return (self.greedy and self.repetition_penalty == 1.0 and not self.frequency_penalty
+                and not self.presence_penalty)
 
 
 def _require(ok: bool, field: str, rule: str, given: object) -> None:

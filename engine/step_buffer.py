@@ -18,6 +18,7 @@ wait for a download), and a buffer is written again only once its previous uploa
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -76,9 +77,17 @@ class StepBuffer:
 
     def put(self, name: str, values: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
             shape: tuple[int, ...] | None = None) -> None:
-        """Append integers under `name` (viewed with `shape` on the device; default flat)."""
-        start = self._reserve(name, len(values) if shape is None else math.prod(shape), shape)
-        self._ints[start:self._used] = values if shape is None else np.reshape(values, -1)
+        """Append integers under `name` (viewed with `shape` on the device; default flat): a
+        flat sequence, an array, or rows (sequences) that follow one another."""
+        count = len(values) if shape is None else math.prod(shape)
+        start = self._reserve(name, count, shape)
+        if isinstance(values, np.ndarray):
+            self._ints[start:self._used] = values.reshape(-1)
+            return
+        if count and not isinstance(values[0], int | np.integer):  # rows
+            values = itertools.chain.from_iterable(values)
+        # fromiter: 3x faster than numpy's conversion of nested lists (~30 us a step at batch 32)
+        self._ints[start:self._used] = np.fromiter(values, dtype=np.int64, count=count)
 
     def put_floats(self, name: str, values: Sequence[float] | Sequence[Sequence[float]],
                    shape: tuple[int, ...] | None = None) -> None:

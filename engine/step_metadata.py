@@ -13,6 +13,7 @@ from engine.attention.reference import (
     AttentionMetadata,
     PrefillRow,
     causal_mask,
+    visible_positions,
 )
 from engine.kv.layout import KVLayout
 
@@ -35,7 +36,8 @@ def describe_step(step: StepViews, layout: KVLayout, backend: AttentionBackend,
     groups = []
     for window, table in zip(layout.group_windows, layout.group_tables, strict=True):
         if window not in masks:
-            masks[window] = _window_masks(step, window, page_size, staged_window)
+            masks[window] = _window_masks(step, window, page_size, staged_window,
+                                          backend.reads_decode_mask)
         groups.append(_describe_group(step, table, window, masks[window], backend, page_size))
     if len(groups) == 1:
         return groups[0]
@@ -70,9 +72,10 @@ def first_visible(ctx: torch.Tensor, staged_lo: torch.Tensor, window: int | None
 
 
 def _window_masks(step: StepViews, window: int | None, page_size: int,
-                  staged_window: int | None) -> tuple[list, dict]:
+                  staged_window: int | None, decode_mask: bool) -> tuple[list, dict]:
     """What layers attending within `window` may see: each prefill row's mask, and the
-    decode rows' visible positions (their pages are each block table's)."""
+    decode rows' visible positions (their pages are each block table's; `decode_mask`: as a
+    mask too, else only as bounds)."""
     views = step.views
     device = views["tokens"].device
     prefill_masks = [causal_mask(n, ctx, window, device) for _, n, _, ctx in step.prefills]
@@ -81,9 +84,8 @@ def _window_masks(step: StepViews, window: int | None, page_size: int,
         width = views["decode_pages"].shape[2]
         token_idx, ctx, staged_lo, order = views["decode"]  # [B] each
         lo = first_visible(ctx, staged_lo, window, staged_window)
-        pos = torch.arange(width * page_size, device=device)  # [T]
-        visible = (pos < ctx[:, None]) & (pos >= lo[:, None])  # [B, T]
-        decode = {"decode_token_idx": token_idx, "decode_mask": visible[:, None, None, :],
+        visible = visible_positions(ctx, lo, width * page_size) if decode_mask else None
+        decode = {"decode_token_idx": token_idx, "decode_mask": visible,
                   "decode_context_lens": tuple(c for _, _, c in step.decodes),
                   "decode_ctx": ctx, "decode_lo": lo, "decode_order": order}
     return prefill_masks, decode

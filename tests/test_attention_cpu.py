@@ -11,7 +11,11 @@ import engine.attention.select as backends
 import engine.kernels as kernels
 from engine.attention.check import check_or_fall_back
 from engine.attention.cpu import CpuPagedAttention, DecodeRows
-from engine.attention.reference import ReferenceAttention, reference_attention
+from engine.attention.reference import (
+    ReferenceAttention,
+    decode_visible,
+    reference_attention,
+)
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 from tests.test_attention_backends import CASES, HEAD_DIM, HEADS, prepare, random_pool
@@ -37,6 +41,19 @@ def test_cpu_paged_matches_reference(case, dtype) -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     else:  # not float32: the reference path itself
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-w{c[1]}-shared{c[3]}")
+def test_the_kernel_needs_no_decode_mask_and_the_fallback_rebuilds_it(case) -> None:
+    """The runner skips the decode mask for the kernel (it reads ctx and lo); the reference
+    path under it (a bfloat16 pool) rebuilds the very mask the runner builds for others."""
+    block_size, window, shapes, shared = case
+    with torch.inference_mode():
+        masked = prepare(block_size, window, shapes, shared, ReferenceAttention(), CPU, seed=3)
+        bare = prepare(block_size, window, shapes, shared, CpuPagedAttention(), CPU, seed=3)
+    assert bare.decode_mask is None
+    if masked.decode_token_idx is not None:
+        assert torch.equal(decode_visible(bare), masked.decode_mask)
 
 
 @needs_compiler

@@ -42,6 +42,7 @@ class CpuPagedAttention(AttentionBackend):
     """Decode rows through the in-place kernel, prefill rows through the reference."""
 
     name = "cpu_paged"
+    reads_decode_mask = False  # the kernel bounds rows by ctx and lo; the fallback builds it
 
     def prepare(self, meta: AttentionMetadata) -> DecodeRows | None:
         if meta.decode_token_idx is None:

@@ -37,7 +37,9 @@ class AttentionMetadata:
     page_size: int
     decode_token_idx: torch.Tensor | None  # [num_decodes] int64: packed rows with one query
     decode_pages: torch.Tensor | None  # [num_decodes, max_pages] int64, padded
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] bool: visible
+    # [num_decodes, 1, 1, max_pages * page_size] bool: visible; None where the backend does not
+    # read it (decode_visible builds it from decode_ctx and decode_lo when asked)
+    decode_mask: torch.Tensor | None
     prefills: tuple[PrefillRow, ...]
     backend: AttentionBackend
     # Keys each decode row sees (its context length), in decode_token_idx order.
@@ -67,6 +69,9 @@ class AttentionBackend(ABC):
     tolerance; the runner calls prepare() once per step and every layer calls forward()."""
 
     name: str
+    # Whether forward() reads AttentionMetadata.decode_mask: the runner builds it only then
+    # (a few tensor ops per step that a kernel reading contexts and page tables never needs).
+    reads_decode_mask = True
 
     def prepare(self, meta: AttentionMetadata) -> object | None:
         return None
@@ -110,7 +115,8 @@ def decode_groups(meta: AttentionMetadata) -> tuple[DecodeGroup, ...]:
     gathering and attending to padding is most of decode attention's cost when lengths vary."""
     if meta.decode_token_idx is None:
         return ()
-    whole = DecodeGroup(meta.decode_token_idx, meta.decode_pages, meta.decode_mask)
+    mask = decode_visible(meta)
+    whole = DecodeGroup(meta.decode_token_idx, meta.decode_pages, mask)
     lens = meta.decode_context_lens
     if len(lens) != len(meta.decode_token_idx):
         return (whole,)
@@ -124,9 +130,23 @@ def decode_groups(meta: AttentionMetadata) -> tuple[DecodeGroup, ...]:
         width = widths[end - 1]
         groups.append(DecodeGroup(meta.decode_token_idx.index_select(0, rows),
                                   meta.decode_pages.index_select(0, rows)[:, :width],
-                                  meta.decode_mask.index_select(0, rows)[
-                                      ..., :width * meta.page_size]))
+                                  mask.index_select(0, rows)[..., :width * meta.page_size]))
     return tuple(groups)
+
+
+def decode_visible(meta: AttentionMetadata) -> torch.Tensor:
+    """[B, 1, 1, max_pages * page_size] bool: the positions each decode row sees (the
+    metadata's decode_mask, or built from its contexts and first visible positions)."""
+    if meta.decode_mask is not None:
+        return meta.decode_mask
+    return visible_positions(meta.decode_ctx, meta.decode_lo,
+                             meta.decode_pages.shape[1] * meta.page_size)
+
+
+def visible_positions(ctx: torch.Tensor, lo: torch.Tensor, width: int) -> torch.Tensor:
+    """ctx, lo [B] → [B, 1, 1, width] bool: each row sees positions lo <= p < ctx."""
+    pos = torch.arange(width, device=ctx.device)  # [T]
+    return ((pos < ctx[:, None]) & (pos >= lo[:, None]))[:, None, None, :]
 
 
 def split_by_width(widths: list[int], group_cost: int, max_groups: int) -> list[int]:
@@ -171,7 +191,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """q [num_tokens, num_heads, head_dim] → out [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
     if groups is None and meta.decode_token_idx is not None:
-        groups = (DecodeGroup(meta.decode_token_idx, meta.decode_pages, meta.decode_mask),)
+        groups = (DecodeGroup(meta.decode_token_idx, meta.decode_pages, decode_visible(meta)),)
     decode_reference(q, k_cache, v_cache, meta.page_size, scale, groups or (), out)
     prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out

@@ -39,6 +39,7 @@ class BlockManager(KVAllocator):
         self.enable_prefix_caching = enable_prefix_caching
         self.table_windows = tuple(table_windows)
         self.num_tables = len(self.table_windows)
+        self.any_window = any(w is not None for w in self.table_windows)
         self.outside_window = num_blocks  # the runner's scratch block: never allocated
         self._ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -79,6 +80,10 @@ class BlockManager(KVAllocator):
         blocks give it (each new block position takes one block in every table)."""
         own = len(seq.block_table) * self.block_size - seq.num_computed_tokens
         return own + self.num_free_blocks // self.num_tables * self.block_size
+
+    def has_own_slot(self, seq: Sequence) -> bool:
+        """Whether `seq`'s blocks already hold a slot for its next token."""
+        return len(seq.block_tables[0]) * self.block_size > seq.num_computed_tokens
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) * self.num_tables <= self.num_free_blocks

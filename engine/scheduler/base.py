@@ -104,12 +104,11 @@ class Scheduler(ABC):
         """The batch is computing: its tokens count as computed, and each sequence it catches up
         holds a pending place for the token being sampled. Under asynchronous scheduling the
         next step is planned from here, before that token is known."""
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens, strict=True)):
+        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
             if seq.is_finished:  # finished by the caller between schedule() and now
                 continue
-            sampled = batch.is_sampled(i)
             seq.num_computed_tokens += n
-            if sampled:
+            if seq.num_computed_tokens == seq.num_tokens:  # caught up: its next token is sampled
                 seq.append_pending()
 
     def resolve(self, batch: ScheduledBatch,

@@ -38,11 +38,20 @@ class PagedBatching(Scheduler):
         picked: dict[Sequence, int] = {}
         budget = self.token_budget
         preemptions_before = self.num_preemptions
-        for seq in [s for s in self.running if _is_decode(s)]:
+        decodes, prefills = [], []
+        for seq in self.running:
+            if _is_decode(seq):
+                decodes.append(seq)
+            elif not seq.awaits_last_token:
+                prefills.append(seq)
+        # A preemption below may send a later one of these back to waiting: skipped then.
+        for seq in decodes:
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, picked):
                 picked[seq] = 1
                 budget -= 1
-        for seq in [s for s in self.running if not _is_decode(s) and not s.awaits_last_token]:
+        for seq in prefills:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             n = self._prefill_chunk(seq, budget, picked)
             if n:
                 self.allocator.allocate(seq, n)
@@ -56,17 +65,21 @@ class PagedBatching(Scheduler):
 
     def advance(self, batch: ScheduledBatch) -> None:
         super().advance(batch)
+        allocator = self.allocator
+        if not (allocator.enable_prefix_caching or allocator.any_window):
+            return  # neither has work: spare a call per sequence per step
         for seq in batch.seqs:
             if not seq.is_finished:  # cached before a window lets them go: still reusable
-                self.allocator.cache_full_blocks(seq)
-                self.allocator.release_outside_window(seq)
+                allocator.cache_full_blocks(seq)
+                allocator.release_outside_window(seq)
 
     def resolve(self, batch: ScheduledBatch,
                 samples: list[SampledToken | None]) -> list[Sequence]:
         finished = super().resolve(batch, samples)
-        for seq in batch.seqs:
-            if not seq.is_finished:
-                self.allocator.cache_full_blocks(seq)
+        if self.allocator.enable_prefix_caching:
+            for seq in batch.seqs:
+                if not seq.is_finished:
+                    self.allocator.cache_full_blocks(seq)
         return finished
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -77,6 +90,8 @@ class PagedBatching(Scheduler):
 
     def _reserve(self, seq: Sequence, picked: dict[Sequence, int]) -> bool:
         """Give a running decode its next slot, preempting younger sequences if blocks run out."""
+        if self.allocator.has_own_slot(seq):  # 15 steps in 16 at block size 16
+            return True
         if not self._make_room(seq, 1, picked):
             return False
         self.allocator.allocate(seq, 1)
