@@ -83,6 +83,10 @@ class RequestHandle:
             self.finished = event.finished
             yield event
 
+    def has_queued_events(self) -> bool:
+        """Whether events() would yield its next event without waiting."""
+        return not self._events.empty()
+
     def _check_cancel(self) -> None:
         assert self._cancel_check is not None
         if self.cancelled or self.finished:

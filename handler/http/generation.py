@@ -165,6 +165,7 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
 
     def generate() -> Iterator[str | bytes]:
         times, last = [], None
+        unsent: list[str] = []  # lines of events that were already queued behind this one
         try:
             for line, event in lines:
                 last = event
@@ -174,10 +175,21 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
                 if error is not None:
                     line = {**error.body(), "error": error.message,
                             "details": {"finish_reason": "error"}}
-                if isinstance(line, str | bytes):  # an output formatter wrote it
+                if isinstance(line, bytes):  # an output formatter wrote it
+                    if unsent:
+                        yield "".join(unsent)
+                        unsent.clear()
                     yield line
-                else:
-                    yield f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
+                    continue
+                if not isinstance(line, str):
+                    line = f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
+                unsent.append(line)
+                # One write for every event that is already here: when the server lags behind
+                # the engine (many streams, few cores), each chunk costs a syscall and a trip
+                # through gunicorn, so lines go out together; otherwise each goes at once.
+                if event.finished or not handle.has_queued_events():
+                    yield "".join(unsent)
+                    unsent.clear()
             if trailer is not None and last is not None and final_error(last) is None:
                 line = trailer(last)
                 yield f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"

@@ -1,0 +1,69 @@
+"""Streamed responses write every event already queued in one chunk (one syscall, one trip
+through gunicorn), and each event at once when none waits behind it; the bytes are the same."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from engine.loop import RequestHandle
+from engine.outputs import TokenEvent
+from handler.cli import passive_openmp
+from handler.http.generation import stream_response
+
+NUM_EVENTS = 5
+
+
+def _events() -> list[TokenEvent]:
+    return [TokenEvent("r", 10 + i, f"t{i}", -0.5, 3, i + 1,
+                       "length" if i == NUM_EVENTS - 1 else None) for i in range(NUM_EVENTS)]
+
+
+def _response(handle: RequestHandle, sse: bool = False):
+    lines = (({"token": {"id": e.token_id, "text": e.text}}, e) for e in handle.events())
+    metrics = SimpleNamespace(on_abort=lambda *a: None, on_request=lambda *a: None)
+    return stream_response(lines, handle, SimpleNamespace(metrics=metrics), sse=sse,
+                           done_line=sse, start=0.0)
+
+
+def _expected(sse: bool) -> str:
+    body = [json.dumps({"token": {"id": e.token_id, "text": e.text}}) for e in _events()]
+    if sse:
+        return "".join(f"data: {b}\n\n" for b in body) + "data: [DONE]\n\n"
+    return "".join(b + "\n" for b in body)
+
+
+def _handle() -> RequestHandle:
+    return RequestHandle(SimpleNamespace(is_delivering=lambda: True, abort=lambda rid: None),
+                         "r", 3)
+
+
+def test_events_already_queued_go_out_in_one_chunk() -> None:
+    for sse in (False, True):
+        handle = _handle()
+        for event in _events():
+            handle._events.put(event)
+        chunks = list(_response(handle, sse).response)
+        assert "".join(chunks) == _expected(sse)
+        assert len(chunks) == (2 if sse else 1)  # the lines, then [DONE]
+
+
+def test_each_event_goes_out_at_once_when_none_waits() -> None:
+    handle = _handle()
+    chunks = iter(_response(handle).response)
+    written = []
+    for event in _events():
+        handle._events.put(event)
+        written.append(next(chunks))  # returns without the next event: nothing held back
+    assert list(chunks) == []
+    assert len(written) == NUM_EVENTS and "".join(written) == _expected(False)
+
+
+def test_core_process_openmp_waits_passively_unless_the_user_chose() -> None:
+    environ: dict[str, str] = {}
+    passive_openmp(environ)
+    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):
+        environ = dict(chosen)
+        passive_openmp(environ)
+        assert environ == chosen
