@@ -37,6 +37,12 @@ class StepProfile:
         host = sum(ms for phase, ms in self.phases_ms.items() if phase != "forward")
         return 1000 * host / self.batch
 
+    @property
+    def core_us_per_seq(self) -> float:
+        """The engine core's share of host_us_per_seq: served, detokenization runs in the
+        serving process, beside the core."""
+        return self.host_us_per_seq - 1000 * self.phases_ms.get("detokenize", 0.0) / self.batch
+
 
 @dataclass(frozen=True)
 class ProfileRun:
@@ -51,19 +57,20 @@ class ProfileRun:
 
     def table(self) -> str:
         head = ["step", "batch", "tokens", "step ms", *(f"{p} ms" for p in PHASES),
-                "host us/seq", "device busy ms"]
+                "host us/seq", "core us/seq", "device busy ms"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.rows:
             busy = "-" if r.device_busy_ms is None else f"{r.device_busy_ms:.3f}"
             cells = [r.kind, str(r.batch), str(r.tokens), f"{r.step_ms:.3f}",
                      *(f"{r.phases_ms.get(p, 0.0):.3f}" for p in PHASES),
-                     f"{r.host_us_per_seq:.1f}", busy]
+                     f"{r.host_us_per_seq:.1f}", f"{r.core_us_per_seq:.1f}", busy]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
     def save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        data = {**asdict(self), "rows": [{**asdict(r), "host_us_per_seq": r.host_us_per_seq}
+        data = {**asdict(self), "rows": [{**asdict(r), "host_us_per_seq": r.host_us_per_seq,
+                                          "core_us_per_seq": r.core_us_per_seq}
                                          for r in self.rows]}
         (out_dir / "profile.json").write_text(json.dumps(data, indent=2))
         (out_dir / "profile.md").write_text(

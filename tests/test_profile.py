@@ -52,6 +52,8 @@ def test_profile_reports_prefill_and_decode_per_batch_size(model_dir) -> None:
     for row in run.rows:
         assert set(row.phases_ms) == set(PHASES) and row.phases_ms["forward"] > 0
         assert row.host_us_per_seq > 0 and row.device_busy_ms is None  # no CUDA here
+        detokenize_us = 1000 * row.phases_ms["detokenize"] / row.batch
+        assert row.core_us_per_seq == pytest.approx(row.host_us_per_seq - detokenize_us)
     assert run.device == "cpu" and run.dtype == "float32"
 
 
@@ -66,6 +68,7 @@ def test_bench_profile_writes_its_table_and_json(model_dir, tmp_path, capsys, ah
     assert [r["kind"] for r in data["rows"]] == ["prefill", "decode"]
     assert data["async_scheduling"] is (ahead == "true")
     text = (tmp_path / "profile.md").read_text()
+    assert "host us/seq | core us/seq" in text and "core_us_per_seq" in data["rows"][1]
     assert "host us/seq" in text and f"scheduling {'on' if ahead == 'true' else 'off'}" in text
 
 
