@@ -1,10 +1,13 @@
-"""Streamed responses write every event already queued in one chunk (one syscall, one trip
-through gunicorn), and each event at once when none waits behind it; the bytes are the same."""
+"""Streamed /invocations responses write every event already queued in one chunk (one syscall,
+one trip through gunicorn), and each event at once when none waits behind it; the bytes are the
+same, and nothing made before a failure is held back."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+
+import pytest
 
 from engine.loop import RequestHandle
 from engine.outputs import TokenEvent
@@ -19,11 +22,18 @@ def _events() -> list[TokenEvent]:
                        "length" if i == NUM_EVENTS - 1 else None) for i in range(NUM_EVENTS)]
 
 
-def _response(handle: RequestHandle, sse: bool = False):
-    lines = (({"token": {"id": e.token_id, "text": e.text}}, e) for e in handle.events())
+def _lines(handle: RequestHandle, fail_at: int | None = None):
+    for i, e in enumerate(handle.events()):
+        if i == fail_at:
+            raise RuntimeError("an output formatter failed")
+        yield {"token": {"id": e.token_id, "text": e.text}}, e
+
+
+def _response(handle: RequestHandle, sse: bool = False, coalesce: bool = True,
+              fail_at: int | None = None):
     metrics = SimpleNamespace(on_abort=lambda *a: None, on_request=lambda *a: None)
-    return stream_response(lines, handle, SimpleNamespace(metrics=metrics), sse=sse,
-                           done_line=sse, start=0.0)
+    return stream_response(_lines(handle, fail_at), handle, SimpleNamespace(metrics=metrics),
+                           sse=sse, done_line=sse, start=0.0, coalesce=coalesce)
 
 
 def _expected(sse: bool) -> str:
@@ -57,6 +67,26 @@ def test_each_event_goes_out_at_once_when_none_waits() -> None:
         written.append(next(chunks))  # returns without the next event: nothing held back
     assert list(chunks) == []
     assert len(written) == NUM_EVENTS and "".join(written) == _expected(False)
+
+
+def test_without_coalescing_every_line_is_its_own_chunk() -> None:
+    """Routes whose lines are not one per event (chat's tool calls may hold an event back)
+    write each line at once, queued or not."""
+    handle = _handle()
+    for event in _events():
+        handle._events.put(event)
+    chunks = list(_response(handle, coalesce=False).response)
+    assert len(chunks) == NUM_EVENTS and "".join(chunks) == _expected(False)
+
+
+def test_lines_made_before_a_failure_are_written() -> None:
+    handle = _handle()
+    for event in _events():
+        handle._events.put(event)
+    chunks = iter(_response(handle, fail_at=2).response)
+    assert next(chunks) == "".join(_expected(False).splitlines(keepends=True)[:2])
+    with pytest.raises(RuntimeError, match="formatter failed"):
+        next(chunks)
 
 
 def test_core_process_openmp_waits_passively_unless_the_user_chose() -> None:

@@ -25,7 +25,6 @@ class HandleGroup:
         self.handles = handles
         self.request_id = handles[0].request_id
         self.num_prompt_tokens = handles[0].num_prompt_tokens
-        self._merged: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
 
     @property
     def cancelled(self) -> bool:
@@ -35,13 +34,9 @@ class HandleGroup:
         for handle in self.handles:
             handle.abort()
 
-    def has_queued_events(self) -> bool:
-        """Whether events() would yield its next event without waiting."""
-        return not self._merged.empty()
-
     def events(self) -> Iterator[TokenEvent]:
         """Every choice's events, until each has its final one."""
-        merged = self._merged
+        merged: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
 
         def forward(handle: RequestHandle) -> None:
             for event in handle.events():

@@ -158,41 +158,46 @@ def generate_lines(gen: GenerateRequest, handle: RequestHandle, decode: Decode) 
 
 def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, sse: bool,
                     done_line: bool, start: float,
-                    trailer: Callable[[TokenEvent], dict] | None = None) -> Response:
+                    trailer: Callable[[TokenEvent], dict] | None = None,
+                    coalesce: bool = False) -> Response:
     """Write lines as they come; a client that goes away aborts its request (frees its KV).
     `trailer` makes one more line from the last event of a request that ended well (OpenAI's
-    usage chunk)."""
+    usage chunk). `coalesce` (for `lines` that make one line of every event): the lines of
+    events already queued go out in one write."""
 
     def generate() -> Iterator[str | bytes]:
         times, last = [], None
-        unsent: list[str] = []  # lines of events that were already queued behind this one
+        unsent: list[str] = []  # lines held while the events behind them are already here
         try:
-            for line, event in lines:
-                last = event
-                if event.token_id is not None:
-                    times.append(time.monotonic())
-                error = final_error(event) if event.finished else None
-                if error is not None:
-                    line = {**error.body(), "error": error.message,
-                            "details": {"finish_reason": "error"}}
-                if isinstance(line, bytes):  # an output formatter wrote it
-                    if unsent:
+            try:
+                for line, event in lines:
+                    last = event
+                    if event.token_id is not None:
+                        times.append(time.monotonic())
+                    error = final_error(event) if event.finished else None
+                    if error is not None:
+                        line = {**error.body(), "error": error.message,
+                                "details": {"finish_reason": "error"}}
+                    if isinstance(line, bytes):  # an output formatter wrote it
+                        if unsent:
+                            yield "".join(unsent)
+                            unsent.clear()
+                        yield line
+                        continue
+                    unsent.append(line if isinstance(line, str) else _line_text(line, sse))
+                    # When the server lags behind the engine (many streams, few cores), each
+                    # chunk costs a syscall and a trip through gunicorn: one for all that is here.
+                    if not coalesce or event.finished or not handle.has_queued_events():
                         yield "".join(unsent)
                         unsent.clear()
-                    yield line
-                    continue
-                if not isinstance(line, str):
-                    line = f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
-                unsent.append(line)
-                # One write for every event that is already here: when the server lags behind
-                # the engine (many streams, few cores), each chunk costs a syscall and a trip
-                # through gunicorn, so lines go out together; otherwise each goes at once.
-                if event.finished or not handle.has_queued_events():
+            except Exception:
+                if unsent:  # lines made before the failure go out, as they would have alone
                     yield "".join(unsent)
-                    unsent.clear()
+                raise
+            if unsent:
+                yield "".join(unsent)
             if trailer is not None and last is not None and final_error(last) is None:
-                line = trailer(last)
-                yield f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
+                yield _line_text(trailer(last), sse)
             if done_line:  # OpenAI's end-of-stream marker
                 yield "data: [DONE]\n\n"
         finally:
@@ -207,6 +212,10 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
 
     return Response(generate(), mimetype=SSE if sse else JSONLINES,
                     headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache"})
+
+
+def _line_text(line: dict, sse: bool) -> str:
+    return f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
 
 
 def _stream_status(handle: RequestHandle, last: TokenEvent | None) -> int:
