@@ -84,7 +84,8 @@ class StepBuffer:
         if isinstance(values, np.ndarray):
             self._ints[start:self._used] = values.reshape(-1)
             return
-        if count and not isinstance(values[0], int | np.integer):  # rows
+        if count and not isinstance(values[0], int | np.generic):  # rows
+            assert sum(map(len, values)) == count, f"section {name}: rows do not fill {shape}"
             values = itertools.chain.from_iterable(values)
         # fromiter: 3x faster than numpy's conversion of nested lists (~30 us a step at batch 32)
         self._ints[start:self._used] = np.fromiter(values, dtype=np.int64, count=count)

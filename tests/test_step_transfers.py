@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -16,6 +17,7 @@ import engine.kernels as kernels
 from engine import SamplingParams
 from engine.guided import GuidedSpec
 from engine.sampler import sample
+from engine.step_buffer import StepBuffer
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 
@@ -143,3 +145,22 @@ def test_the_decode_forward_and_sampler_trace_as_one_graph(tiny, params) -> None
         explained = torch._dynamo.explain(decode)(views)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+def test_step_buffer_sections_take_flat_values_rows_and_arrays() -> None:
+    buffer = StepBuffer(torch.device("cpu"))
+    buffer.put("flat", [3, 1, 2])
+    buffer.put("rows", [[1, 2, 3], (4, 5, 6)], shape=(2, 3))
+    buffer.put("pages", [[7, 8], [9, 0], [1, 2], [3, 4]], shape=(2, 2, 2))
+    buffer.put("flags", [np.bool_(True), False])
+    buffer.put("array", np.arange(4).reshape(2, 2), shape=(2, 2))
+    buffer.put("empty", [], shape=(3, 0))
+    views = buffer.upload()
+    assert views["flat"].tolist() == [3, 1, 2]
+    assert views["rows"].tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert views["pages"].tolist() == [[[7, 8], [9, 0]], [[1, 2], [3, 4]]]
+    assert views["flags"].tolist() == [1, 0] and views["array"].tolist() == [[0, 1], [2, 3]]
+    assert views["empty"].shape == (3, 0)
+    buffer.reset()
+    with pytest.raises(AssertionError, match="rows do not fill"):
+        buffer.put("ragged", [[1, 2], [3, 4, 5]], shape=(2, 2))
