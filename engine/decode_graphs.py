@@ -21,7 +21,12 @@ from dataclasses import replace
 
 import torch
 
-from engine.attention.reference import AttentionMetadata, DecodeGroup, ReferenceAttention
+from engine.attention.reference import (
+    AttentionMetadata,
+    DecodeGroup,
+    ReferenceAttention,
+    visible_positions,
+)
 from engine.kv.layout import KVLayout
 from engine.step_metadata import first_visible
 
@@ -149,12 +154,11 @@ class PaddedDecode:
         span = padded_width if window is None else min(padded_width, (window - 1) // page + 2)
         if span == padded_width:
             pos = self.positions[:padded_width * page]  # [T]
-            return None, ((pos < ctx[:, None]) & (pos >= first[:, None]))[:, None, None, :]
+            return None, visible_positions(pos, ctx, first)
         index = (first // page)[:, None] + self.page_steps[:span]  # [Bp, S]
         pos = (index[:, :, None] * page + self.in_page).flatten(1)  # [Bp, S * page]
         # pages past the row's last are masked; clamped only so that the gather stays in range
-        return index.clamp(max=padded_width - 1), \
-            ((pos < ctx[:, None]) & (pos >= first[:, None]))[:, None, None, :]
+        return index.clamp(max=padded_width - 1), visible_positions(pos, ctx, first)
 
     def _describe(self, slots: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
                   index: torch.Tensor | None, visible: torch.Tensor,

@@ -84,7 +84,9 @@ def _window_masks(step: StepViews, window: int | None, page_size: int,
         width = views["decode_pages"].shape[2]
         token_idx, ctx, staged_lo, order = views["decode"]  # [B] each
         lo = first_visible(ctx, staged_lo, window, staged_window)
-        visible = visible_positions(ctx, lo, width * page_size) if decode_mask else None
+        visible = None
+        if decode_mask:
+            visible = visible_positions(torch.arange(width * page_size, device=device), ctx, lo)
         decode = {"decode_token_idx": token_idx, "decode_mask": visible,
                   "decode_context_lens": tuple(c for _, _, c in step.decodes),
                   "decode_ctx": ctx, "decode_lo": lo, "decode_order": order}

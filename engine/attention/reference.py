@@ -139,13 +139,14 @@ def decode_visible(meta: AttentionMetadata) -> torch.Tensor:
     metadata's decode_mask, or built from its contexts and first visible positions)."""
     if meta.decode_mask is not None:
         return meta.decode_mask
-    return visible_positions(meta.decode_ctx, meta.decode_lo,
-                             meta.decode_pages.shape[1] * meta.page_size)
+    width = meta.decode_pages.shape[1] * meta.page_size
+    pos = torch.arange(width, device=meta.decode_ctx.device)  # [T]
+    return visible_positions(pos, meta.decode_ctx, meta.decode_lo)
 
 
-def visible_positions(ctx: torch.Tensor, lo: torch.Tensor, width: int) -> torch.Tensor:
-    """ctx, lo [B] → [B, 1, 1, width] bool: each row sees positions lo <= p < ctx."""
-    pos = torch.arange(width, device=ctx.device)  # [T]
+def visible_positions(pos: torch.Tensor, ctx: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """pos [T] (or each row's [B, T]), ctx and lo [B] → [B, 1, 1, T] bool: each row sees its
+    positions lo <= p < ctx."""
     return ((pos < ctx[:, None]) & (pos >= lo[:, None]))[:, None, None, :]
 
 
