@@ -69,15 +69,12 @@ class Sampler:
         counted = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
         plan = SamplingPlan(
             top_logprobs=tuple(p.top_logprobs for p in params),
-            plain_greedy=all(p.greedy and p.repetition_penalty == 1.0 for p in params)
-            and not any(eos_masked) and not guided and not counted,
+            plain_greedy=False,  # some row is sampled, penalised, EOS-masked or guided
             any_sampled=any(not p.greedy for p in params),
             any_top_k=any(not p.greedy and p.top_k > 0 for p in params),
             any_top_p=any(not p.greedy and p.top_p < 1.0 for p in params),
             any_penalty=any(p.repetition_penalty != 1.0 for p in params),
             any_eos_mask=any(eos_masked), any_openai_penalty=bool(counted), guided=guided)
-        if plan.plain_greedy:
-            return plan
         buffer.put("s_ints", [[int(p.greedy) for p in params], eos_masked,
                               [p.top_k for p in params]], shape=(3, len(seqs)))
         buffer.put_floats("s_floats", [
