@@ -81,10 +81,6 @@ class BlockManager(KVAllocator):
         own = len(seq.block_table) * self.block_size - seq.num_computed_tokens
         return own + self.num_free_blocks // self.num_tables * self.block_size
 
-    def has_own_slot(self, seq: Sequence) -> bool:
-        """Whether `seq`'s blocks already hold a slot for its next token."""
-        return len(seq.block_tables[0]) * self.block_size > seq.num_computed_tokens
-
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) * self.num_tables <= self.num_free_blocks
 

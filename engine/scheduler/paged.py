@@ -90,7 +90,7 @@ class PagedBatching(Scheduler):
 
     def _reserve(self, seq: Sequence, picked: dict[Sequence, int]) -> bool:
         """Give a running decode its next slot, preempting younger sequences if blocks run out."""
-        if self.allocator.has_own_slot(seq):  # 15 steps in 16 at block size 16
+        if self.allocator.blocks_needed(seq, 1) == 0:  # 15 steps in 16 at block size 16
             return True
         if not self._make_room(seq, 1, picked):
             return False
