@@ -62,7 +62,7 @@ class BlockManager(KVAllocator):
         """The most tokens one sequence can hold here. Prefilled whole, a prompt takes its
         blocks in every table at once; in chunks, a windowed table holds only its window's
         (MAX_SEQ_TOKENS when no length fills the pool: windowed tables only)."""
-        if self.whole_prompts or all(w is None for w in self.table_windows):
+        if self.whole_prompts or not self.any_window:
             return self.num_blocks // self.num_tables * self.block_size
         if blocks_held(self.table_windows, MAX_SEQ_TOKENS, self.block_size) <= self.num_blocks:
             return MAX_SEQ_TOKENS
