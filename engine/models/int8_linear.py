@@ -39,6 +39,9 @@ class Int8Linear(nn.Module):
 
 
 def _kernel_runs(qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether PyTorch's fused int8-weight matmul runs for this layer's device, dtype and
+    shape: it is not built for all of them, and says so by raising. When it does not, forward()
+    dequantizes instead (same result, checked at start-up), so a user never meets the error."""
     probe = torch.zeros(1, qweight.shape[1], dtype=scales.dtype, device=qweight.device)
     try:
         torch._weight_int8pack_mm(probe, qweight, scales)
