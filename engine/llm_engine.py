@@ -199,6 +199,12 @@ class LLMEngine:
         seqs = dict.fromkeys(s for batch in batches for s in batch.seqs)
         ids = [self._requests[s.seq_id].request_id for s in seqs if s.seq_id in self._requests]
         ended = [out for rid in ids if (out := self.abort(rid, FinishReason.ERROR, error))]
+        # The failed steps' KV may be garbage, and their blocks may be published already (at
+        # launch, and by the aborts just now): no later prompt may reuse them.
+        allocator = self.scheduler.allocator
+        if allocator.enable_prefix_caching:
+            logger.warning("prefix cache emptied: a failed step's KV cannot be trusted")
+            allocator.reset_prefix_cache()
         ready, self._ready = self._ready, []
         return ready + ended
 

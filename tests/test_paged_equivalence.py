@@ -132,3 +132,35 @@ def test_a_sliding_window_frees_the_blocks_sequences_slide_past(tmp_path) -> Non
     assert engine.scheduler.num_preemptions == 0
     assert max(used) <= 3 * (12 // 4 + 2)  # the window's blocks, the one being written, one spare
     assert engine.scheduler.allocator.num_free_blocks == 20
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_step_leaves_no_kv_for_a_later_prompt_to_reuse(tiny, async_scheduling) -> None:
+    """The device fails when a prefill's tokens are read, after its blocks were published to the
+    prefix cache: the cache is emptied, so the same prompt later is computed afresh (no hit on
+    blocks whose KV may be garbage) and still gives transformers' tokens."""
+    path, prompts, new_tokens, refs = tiny
+    i = max(range(len(prompts)), key=lambda k: len(prompts[k]))
+    engine = make_engine(path, "paged", block_size=4, enable_prefix_caching=True,
+                         async_scheduling=async_scheduling)
+    launch = engine.runner.launch
+
+    def failing_read(batch):
+        result = launch(batch)
+        result.tokens = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+        return result
+    engine.runner.launch = failing_read
+    engine.add_request("a", prompts[i], greedy(new_tokens[i]))
+    outputs = []
+    while engine.has_unfinished():
+        try:
+            outputs += engine.step_outputs()
+        except RuntimeError:
+            outputs += engine.fail_last_batch("engine failure")
+    assert [o.finish_reason for o in outputs] == ["error"]
+    engine.scheduler.check_integrity()
+    engine.runner.launch = launch
+    again = Req("b", prompts[i], greedy(new_tokens[i]))
+    drive(engine, [again])
+    assert engine.scheduler.allocator.prefix_hits == 0
+    assert again.tokens == refs[i]

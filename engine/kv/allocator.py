@@ -17,6 +17,8 @@ from engine.sequence import Sequence
 class KVAllocator(ABC):
     """Hands out KV blocks to sequences; query/command pairs keep schedule() readable."""
 
+    enable_prefix_caching = False  # whether finished prompts' blocks are kept for reuse
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         assert num_blocks >= 1 and block_size >= 1
         self.num_blocks = num_blocks
@@ -51,6 +53,10 @@ class KVAllocator(ABC):
     @abstractmethod
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq` and clear its block table."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: no later prompt reuses the blocks held now."""
 
     @abstractmethod
     def check_integrity(self, live_seqs: Iterable[Sequence]) -> None:
@@ -90,6 +96,9 @@ class ContiguousAllocator(KVAllocator):
             assert self._owner.pop(block) == seq.seq_id, f"block {block} not owned by {seq}"
             self._free.append(block)
         seq.block_table = []
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing is cached here: a region is freed with its sequence."""
 
     def check_integrity(self, live_seqs: Iterable[Sequence]) -> None:
         free = set(self._free)

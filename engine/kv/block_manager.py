@@ -225,6 +225,17 @@ class BlockManager(KVAllocator):
         if full > done:
             self._hashed[seq.seq_id] = (full, parent)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: cached blocks become free, live ones lose their keys (their
+        sequences publish them again as they grow). For KV that cannot be trusted, e.g. a failed
+        step's, which an ended sequence may already have left in the cache."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._key_of.clear()
+        self._block_by_hash.clear()
+        self._hashed.clear()
+
     def check_integrity(self, live_seqs: Iterable[Sequence]) -> None:
         refs = [0] * self.num_blocks
         for seq in live_seqs:
