@@ -1,0 +1,72 @@
+"""A closed loop of C streaming clients on asyncio streams: one HTTP/1.1 request per connection,
+the body read until the server closes. It needs ~13 % of a vCPU for 32 streams where
+`batchyard bench load` (requests, a thread per client, every line parsed) needs 60-70 %, so
+on a 2-vCPU host it leaves the server its CPU. Prints req/s, mean time to the first byte (the
+response headers go out with the first token) and mean first byte -> end.
+
+    python docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py --port 8080 \
+        --model-dir /tmp/tiny320 -n 960
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+from transformers import AutoTokenizer
+
+from benchmark.workloads import Lengths, synthetic_jobs
+
+
+async def one(port: int, body: bytes, times: list[tuple[float, float]]) -> int:
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    first = await reader.read(1)
+    first_at = time.perf_counter()
+    data = first + await reader.read()
+    writer.close()
+    times.append((first_at - start, time.perf_counter() - first_at))
+    return data.count(b'"token"')
+
+
+async def run(port: int, bodies: list[bytes], clients: int) -> None:
+    times: list[tuple[float, float]] = []
+    await asyncio.gather(*[one(port, b, []) for b in bodies[:clients]])  # warm-up, not timed
+    todo = iter(bodies[clients:])
+    counts: list[int] = []
+
+    async def client() -> None:
+        for body in todo:
+            counts.append(await one(port, body, times))
+    start = time.perf_counter()
+    await asyncio.gather(*[client() for _ in range(clients)])
+    elapsed = time.perf_counter() - start
+    print(f"{len(counts) / elapsed:.1f} req/s; tokens per request {min(counts)}-{max(counts)}; "
+          f"first byte {statistics.mean(a for a, _ in times) * 1e3:.1f} ms, first byte -> end "
+          f"{statistics.mean(b for _, b in times) * 1e3:.1f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("-n", type=int, default=960)
+    parser.add_argument("-c", type=int, default=32)
+    parser.add_argument("--prompt-tokens", default="24")
+    parser.add_argument("--output-tokens", default="64")
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    jobs = synthetic_jobs(args.n + args.c, Lengths.parse(args.prompt_tokens, "prompt"),
+                          Lengths.parse(args.output_tokens, "output"), 0, tokenizer)
+    bodies = [json.dumps(job.body(stream=True)).encode() for job in jobs]
+    asyncio.run(run(args.port, bodies, args.c))
+
+
+if __name__ == "__main__":
+    main()
