@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Issue #17's GPU checklist as one command for a lent GPU machine (the `device` tool), so that a
+# session with a GPU spends its few minutes on checks, not on set-up. Everything lands in $OUT:
+# summary.txt (one line per step, the start-up checks' verdicts), log.txt (all output) and
+# profile-*/profile.{json,md} (`bench profile`, async scheduling on and off).
+#
+#   scripts/gpu_check.sh --fetch     here, once per session: the wheels the device image lacks
+#                                    (it has torch, no flask/gunicorn/llguidance; transformers
+#                                    and tokenizers at our pins) and the default model's
+#                                    tokenizer, into .gpu-carry/ (git-ignored, ~24 MB)
+#   device run: command "scripts/gpu_check.sh", carry [".gpu-carry"], timeout_s 560
+#
+# Rehearse on CPU (the CUDA tests skip, the profile runs a tiny model):
+#   PYTHON=.venv/bin/python DEVICE=cpu PRESETS=llama-tiny OUT=/tmp/gpu-check scripts/gpu_check.sh
+# PRESETS="llama-1b llama-7b" adds a 7B-shaped model (~13 GB of random weights: ~3 more minutes).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+CARRY=.gpu-carry
+WHEELS=(flask==3.1.3 werkzeug==3.1.3 blinker==1.9.0 itsdangerous==2.2.0 gunicorn==27.0.1
+        llguidance==1.9.1 transformers==5.23.0 tokenizers==0.23.3)
+
+if [ "${1:-}" = --fetch ]; then
+    mkdir -p "$CARRY/wheels" "$CARRY/tokenizer"
+    .venv/bin/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$CARRY/wheels" "${WHEELS[@]}" || exit 1
+    model=$(.venv/bin/python -c "from handler.model_source.default_model import \
+ensure_default_model; print(ensure_default_model())") || exit 1
+    cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/chat_template.jinja \
+        "$CARRY/tokenizer/"
+    du -sh "$CARRY"
+    exit 0
+fi
+
+OUT=${OUT:-/tmp/gpu-check}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+PRESETS=${PRESETS:-llama-1b}
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+if ls "$CARRY"/wheels/*.whl > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu-check-site "$CARRY"/wheels/*.whl || exit 1
+    export PYTHONPATH=/tmp/gpu-check-site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...: run it, log it, one line in the summary
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "===== $name: $*" >> "$OUT/log.txt"
+    timeout "$limit" "$@" >> "$OUT/log.txt" 2>&1
+    rc=$?
+    echo "$name: rc=$rc in $(( $(date +%s) - start )) s" >> "$OUT/summary.txt"
+}
+
+step env 60 "$PY" -c "
+import torch, transformers, tokenizers, llguidance, flask
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())
+print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory >> 20, 'MiB')
+"
+# The CUDA cases the suite skips on CPU: async scheduling with and without graphs, graphs
+# captured, checked and exact per strategy, every strategy and backend against generate,
+# FlexAttention against the reference in bf16 and compiled at start-up.
+step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider \
+    "tests/test_async_scheduling.py::test_planned_ahead_on_cuda_gives_generate_greedy_tokens" \
+    "tests/test_padded_decode.py::test_cuda_graphs_are_captured_checked_and_exact" \
+    "tests/test_equivalence.py::test_greedy_matches_transformers_generate_on_gpu" \
+    "tests/test_attention_backends.py::test_flex_matches_reference_on_gpu_bf16" \
+    "tests/test_attention_backends.py::test_flex_on_gpu_compiles_at_start_up_not_while_serving"
+grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/log.txt" | tail -1 >> "$OUT/summary.txt"
+
+tokenizer=$CARRY/tokenizer
+if [ ! -f "$tokenizer/tokenizer.json" ]; then  # a rehearsal without --fetch: the tests' tiny BPE
+    tokenizer=/tmp/gpu-check-tiny
+    "$PY" -c "from pathlib import Path; from tests.models_fixtures import build_tiny_model; \
+build_tiny_model(Path('$tokenizer'))" >> "$OUT/log.txt" 2>&1
+fi
+dtype=bfloat16
+[ "$DEVICE" = cpu ] && dtype=float32
+for preset in $PRESETS; do
+    model=/tmp/gpu-check-$preset
+    rm -rf "$model"
+    step "model-$preset" 180 "$PY" -m handler.cli bench random-model "$model" --preset "$preset" \
+        --tokenizer-from "$tokenizer" --dtype "$dtype" --device "$DEVICE"
+    for async in true false; do
+        step "profile-$preset-async-$async" 150 "$PY" -m handler.cli bench profile \
+            --model-dir "$model" --device "$DEVICE" --dtype "$dtype" --async-scheduling "$async" \
+            --out "$OUT/profile-$preset-async-$async"
+    done
+    rm -rf "$model"
+done
+# The device returns at most 8 files: with several presets, the JSON profiles alone.
+[ "$(find "$OUT" -type f | wc -l)" -gt 8 ] && find "$OUT" -name profile.md -delete
+# What the start-up checks decided (graphs, async scheduling, attention): each says why it fell
+# back, if it did.
+grep -iE "fall(s|ing)? back|disagree|differ|graphs? (on|off|captured)|asynchronous scheduling|\
+attention backend" "$OUT/log.txt" | sed -E 's/^[0-9-]+ [0-9:,]+ //' | sort | uniq -c | head -40 \
+    >> "$OUT/summary.txt"
+cat "$OUT/summary.txt"

@@ -1,0 +1,41 @@
+"""scripts/gpu_check.sh is run only where a GPU is lent, rarely: what it names must still exist,
+or that session spends its device minutes on a typo."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_check.sh"
+
+
+def test_the_script_parses() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_every_test_it_runs_is_collected() -> None:
+    ids = re.findall(r'"(tests/test_\w+\.py::\w+)"', SCRIPT.read_text())
+    assert len(ids) >= 5
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                             "-p", "no:cacheprovider", *ids],
+                            capture_output=True, text=True, cwd=SCRIPT.parent.parent)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    collected = result.stdout
+    for node in ids:
+        assert node in collected, f"{node} is not collected"
+
+
+def test_every_bench_option_it_passes_exists() -> None:
+    lines = SCRIPT.read_text().replace("\\\n", " ").splitlines()
+    used = {command: set(re.findall(r"(--[\w-]+)", line.split(f"bench {command}", 1)[1]))
+            for line in lines for command in ("random-model", "profile")
+            if f"bench {command}" in line}
+    assert set(used) == {"random-model", "profile"} and all(used.values())
+    for command, flags in used.items():
+        help_text = subprocess.run([sys.executable, "-m", "handler.cli", "bench", command, "-h"],
+                                   capture_output=True, text=True, check=True,
+                                   cwd=SCRIPT.parent.parent).stdout
+        for flag in flags:
+            assert flag in help_text, f"bench {command} has no {flag}"
