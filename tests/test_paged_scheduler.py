@@ -179,3 +179,15 @@ def test_random_workload_with_aborts_and_preemption_drains_clean(prefix: bool) -
     assert bm.num_free_blocks == bm.num_blocks and all(r == 0 for r in bm._ref)
     if prefix:
         assert bm.prefix_hits > 0
+
+
+def test_a_prompts_last_token_is_counted_as_prefill_after_the_step_too() -> None:
+    """A 9-token prompt under a budget of 8 ends with a 1-token chunk: prefill, also when the
+    step's facts are read after it ran (its first output makes it look like a decode then)."""
+    sched = make_paged(num_blocks=16, budget=8)
+    sched.add(make_seq(0, 9, max_new=3))
+    kinds = []
+    while sched.has_unfinished():
+        batch = run_step(sched)
+        kinds.append((batch.num_prefill_tokens, batch.num_decode_tokens))
+    assert kinds == [(8, 0), (1, 0), (0, 1), (0, 1)]

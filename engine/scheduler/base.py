@@ -6,7 +6,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv.allocator import KVAllocator
@@ -20,11 +20,20 @@ class ScheduledBatch:
 
     seqs: tuple[Sequence, ...]
     num_scheduled_tokens: tuple[int, ...]
+    # Counted as planned: once the step runs, its sequences have moved on (a prompt's last
+    # token then looks like a decode).
+    num_decode_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         assert self.seqs and len(self.seqs) == len(self.num_scheduled_tokens)
-        assert all(0 < n <= s.num_uncomputed_tokens
-                   for s, n in zip(self.seqs, self.num_scheduled_tokens, strict=True))
+        decodes = 0
+        for seq, n in zip(self.seqs, self.num_scheduled_tokens, strict=True):
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            assert 0 < n <= left, f"{seq}: {n} tokens scheduled, {left} uncomputed"
+            # one token past the prompt that catches the sequence up: a decode
+            if n == 1 == left and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                decodes += 1
+        object.__setattr__(self, "num_decode_tokens", decodes)
 
     @property
     def num_tokens(self) -> int:
@@ -34,11 +43,6 @@ class ScheduledBatch:
         """Whether sequence i catches up this step, so the runner samples its next token."""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_scheduled_tokens[i] == seq.num_tokens
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for s, n in zip(self.seqs, self.num_scheduled_tokens, strict=True)
-                   if n == 1 and s.num_output_tokens > 0 and s.num_uncomputed_tokens == 1)
 
     @property
     def num_prefill_tokens(self) -> int:
