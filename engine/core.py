@@ -37,6 +37,20 @@ class CoreUpdate:
     gauges: Gauges
     stats: StepStats | None = None
 
+    def __reduce__(self):
+        # To the serving process as columns of plain values: at batch 25 this pickles in ~17 us
+        # instead of ~68 (an object per output) on the core's every step, and loads faster.
+        columns = list(zip(*self.outputs, strict=True))
+        stats = None if self.stats is None else tuple(vars(self.stats).values())
+        return _rebuild_update, (columns, tuple(vars(self.gauges).values()), stats)
+
+
+def _rebuild_update(columns: list[tuple], gauges: tuple,
+                    stats: tuple | None) -> CoreUpdate:
+    make = StepOutput._make
+    return CoreUpdate([make(row) for row in zip(*columns, strict=True)], Gauges(*gauges),
+                      None if stats is None else StepStats(*stats))
+
 
 class EngineCore:
     """schedule → run → postprocess in a loop; `receive(timeout)` returns the inbox's messages

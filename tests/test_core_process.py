@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import shutil
 import signal
 import time
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 
@@ -19,6 +21,9 @@ from engine import (
     RequestError,
     SamplingParams,
 )
+from engine.core import CoreUpdate
+from engine.output_processor import StepOutput
+from engine.outputs import Gauges, StepStats
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
@@ -121,3 +126,17 @@ def test_a_core_that_cannot_load_fails_start_up_with_its_reason(model_dir, tmp_p
     with pytest.raises(RuntimeError, match="engine core process did not start: .*safetensors"):
         EngineClient.from_config(config(broken), max_queued=1, process=True)
     assert {p.pid for p in multiprocessing.active_children()} <= before  # none left behind
+
+
+@pytest.mark.parametrize("outputs, stats", [
+    ([StepOutput("a", 7, -0.5, 4, 1), StepOutput("b", None, None, 3, 0, "abort", "gone"),
+      StepOutput("c", 9, -1.25, 20, 5, "length", None, ((9, -1.25), (4, -2.0)))],
+     StepStats(3, 20, 1, 0, 3, 5, 64, 0, 0.002)),
+    ([], None),
+])
+def test_a_core_update_crosses_the_pipe_as_it_was_sent(outputs, stats) -> None:
+    """Pickled as columns (the core pickles one per step): the same outputs, typed as sent."""
+    update = CoreUpdate(outputs, Gauges(True, 3, 1, 2, 5, 64, 16, 4, 0.5), stats)
+    back = pickle.loads(ForkingPickler.dumps(update))
+    assert back == update
+    assert all(type(out) is StepOutput for out in back.outputs)
