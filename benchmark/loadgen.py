@@ -25,6 +25,8 @@ from benchmark.targets import HTTPTarget, RequestResult, SageMakerTarget, Target
 from benchmark.workloads import Job
 
 logger = logging.getLogger(__name__)
+# Above this many cores of its own CPU, a load run says that the generator may be what limits it.
+CLIENT_CPU_WARNING = 0.5
 
 
 @dataclass
@@ -46,6 +48,9 @@ class LoadReport:
     mean_output_tokens: float = 0.0
     # Raw seconds behind the percentiles, for CDFs: per request (e2e, ttft), per gap (inter_token).
     samples: dict[str, list[float]] = field(default_factory=dict)
+    # This load generator's CPU seconds per second of the run: on a host it shares with the
+    # server, that much CPU was the server's loss.
+    client_cpu_cores: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -54,7 +59,8 @@ class LoadReport:
         rows = [("requests/s", f"{self.requests_per_s:.3f}"),
                 ("output tokens/s", f"{self.output_tokens_per_s:.1f}"),
                 ("requests (errors)", f"{self.num_requests} ({self.num_errors})"),
-                ("duration", f"{self.duration_s:.1f} s")]
+                ("duration", f"{self.duration_s:.1f} s"),
+                ("client CPU", f"{self.client_cpu_cores:.2f} cores")]
         for name, stats in (("TTFT", self.ttft), ("inter-token", self.inter_token),
                             ("end-to-end", self.e2e)):
             rows.append((f"{name} p50/p90/p99 ms", "/".join(
@@ -103,16 +109,23 @@ def run_load(target: Target, jobs: list[Job], plan: LoadPlan, *, stream: bool = 
     """Send `jobs` (cycled) as `plan` says; summarize what came back."""
     before = _scrape(metrics_url)
     bar = tqdm(total=plan.num_requests, unit="req", disable=not progress, desc="requests")
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     deadline = started + plan.duration_s if plan.duration_s is not None else math.inf
     limit = plan.num_requests if plan.num_requests is not None else math.inf
     send = _poisson if plan.request_rate else _closed_loop
     results = send(target, jobs, plan, stream=stream, deadline=deadline, limit=limit, bar=bar)
     duration = time.perf_counter() - started
+    client_cpu = (time.process_time() - cpu_started) / duration
     bar.close()
+    if client_cpu > CLIENT_CPU_WARNING:
+        logger.warning("the load generator used %.2f CPU cores: where it shares the server's "
+                       "host, that CPU is the server's loss (run it elsewhere or with fewer "
+                       "clients to measure the server alone)", client_cpu)
     after = _scrape(metrics_url)
-    return summarize(results, plan.concurrency, duration,
-                     before.delta(after) if before and after else {})
+    report = summarize(results, plan.concurrency, duration,
+                       before.delta(after) if before and after else {})
+    report.client_cpu_cores = client_cpu
+    return report
 
 
 def _scrape(metrics_url: str | None) -> ServerSnapshot | None:

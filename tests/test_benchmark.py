@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmark import loadgen
 from benchmark.cli import main as bench_main
 from benchmark.decode import run_decode
 from benchmark.loadgen import HTTPTarget, LoadPlan, SageMakerTarget, percentiles, run_load
@@ -33,13 +34,17 @@ def small_jobs() -> list[Job]:
     return [Job(job.prompt, job.new_tokens // 16) for job in lmi_jobs(9)]
 
 
-def test_load_reports_every_request_and_server_steps(model_dir, tmp_path) -> None:
+def test_load_reports_every_request_and_server_steps(model_dir, tmp_path, monkeypatch,
+                                                     caplog) -> None:
     props = tmp_path / "paged.properties"
     props.write_text(PAGED)
+    monkeypatch.setattr(loadgen, "CLIENT_CPU_WARNING", 0.0)  # any CPU at all: it must say so
     with local_server(props, tmp_path / "server.log", model_dir) as url:
         report = run_load(HTTPTarget(url), small_jobs(), LoadPlan(3, 9),
                           metrics_url=f"{url}/metrics", progress=False)
     assert report.num_requests == 9 and report.num_errors == 0
+    assert 0 < report.client_cpu_cores and "client CPU" in report.table()
+    assert "the load generator used" in caplog.text
     assert report.output_tokens_per_s > 0 and report.requests_per_s > 0
     expected = sum(j.new_tokens for j in small_jobs())
     assert report.server["decode_tokens"] + 9 == expected  # first tokens come from prefills
