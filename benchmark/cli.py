@@ -166,7 +166,7 @@ def _load(args: argparse.Namespace) -> int:
     logger.info("workload: %s; %s", described, plan.describe())
     if args.warmup:
         run_load(target, jobs[:args.warmup], LoadPlan(args.warmup, args.warmup),
-                 stream=stream, progress=False)
+                 stream=stream, progress=False, warmup=True)
     report = run_load(target, jobs, plan, stream=stream, metrics_url=metrics_url)
     print(report.table())
     if args.json:

@@ -105,8 +105,10 @@ class LoadPlan:
 
 
 def run_load(target: Target, jobs: list[Job], plan: LoadPlan, *, stream: bool = True,
-             metrics_url: str | None = None, progress: bool = True) -> LoadReport:
-    """Send `jobs` (cycled) as `plan` says; summarize what came back."""
+             metrics_url: str | None = None, progress: bool = True,
+             warmup: bool = False) -> LoadReport:
+    """Send `jobs` (cycled) as `plan` says; summarize what came back (`warmup`: a run whose
+    figures nobody reads, so no warning about the client's CPU)."""
     before = _scrape(metrics_url)
     bar = tqdm(total=plan.num_requests, unit="req", disable=not progress, desc="requests")
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -117,7 +119,7 @@ def run_load(target: Target, jobs: list[Job], plan: LoadPlan, *, stream: bool = 
     duration = time.perf_counter() - started
     client_cpu = (time.process_time() - cpu_started) / duration
     bar.close()
-    if client_cpu > CLIENT_CPU_WARNING:
+    if client_cpu > CLIENT_CPU_WARNING and not warmup:
         logger.warning("the load generator used %.2f CPU cores: where it shares the server's "
                        "host, that CPU is the server's loss (run it elsewhere or with fewer "
                        "clients to measure the server alone)", client_cpu)

@@ -59,7 +59,7 @@ def run_sweep(files: list[Path], jobs: list[Job], plan: LoadPlan, out_dir: Path,
                 if warmup:
                     run_load(target, jobs[:warmup], LoadPlan(min(warmup, plan.concurrency),
                                                              warmup), stream=stream,
-                             progress=False)
+                             progress=False, warmup=True)
                 report = run_load(target, jobs, own_plan, stream=stream,
                                   metrics_url=f"{url}/metrics")
             results[name] = {**head, **asdict(report),

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.inputs import AbortRequest, AddRequest, StopCore
 from engine.llm_engine import LLMEngine
@@ -41,8 +41,12 @@ class CoreUpdate:
         # To the serving process as columns of plain values: at batch 25 this pickles in ~17 us
         # instead of ~68 (an object per output) on the core's every step, and loads faster.
         columns = list(zip(*self.outputs, strict=True))
-        stats = None if self.stats is None else tuple(vars(self.stats).values())
-        return _rebuild_update, (columns, tuple(vars(self.gauges).values()), stats)
+        stats = None if self.stats is None else _values(self.stats)
+        return _rebuild_update, (columns, _values(self.gauges), stats)
+
+
+def _values(facts: Gauges | StepStats) -> tuple:
+    return tuple(getattr(facts, f.name) for f in fields(facts))
 
 
 def _rebuild_update(columns: list[tuple], gauges: tuple,

@@ -202,7 +202,7 @@ class LLMEngine:
         # The failed steps' KV may be garbage, and their blocks may be published already (at
         # launch, and by the aborts just now): no later prompt may reuse them.
         allocator = self.scheduler.allocator
-        if allocator.enable_prefix_caching:
+        if batches and allocator.enable_prefix_caching:
             logger.warning("prefix cache emptied: a failed step's KV cannot be trusted")
             allocator.reset_prefix_cache()
         ready, self._ready = self._ready, []
