@@ -21,8 +21,8 @@ from engine.sequence import FinishReason
 
 class StepOutput(NamedTuple):
     """The core's news for one request in one step: a token id, its end, or both. A named
-    tuple: the core makes one per running sequence per step and pickles them to the serving
-    process, where a frozen dataclass cost 3x to build and 2x to pickle."""
+    tuple: the core makes one per running sequence per step (a frozen dataclass cost 3x to
+    build); to the serving process they go as CoreUpdate's columns."""
 
     request_id: str
     token_id: int | None
@@ -32,9 +32,6 @@ class StepOutput(NamedTuple):
     finish_reason: str | None = None
     error: str | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
-
-    def __reduce__(self):  # as a plain tuple: the default goes through __getnewargs__ per item
-        return StepOutput, tuple(self)
 
 
 @dataclass
