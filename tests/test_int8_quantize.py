@@ -3,6 +3,8 @@ strategy's engine; the first greedy tokens agree with float32 on a tiny model.""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,3 +48,20 @@ def test_engine_runs_int8_weights(model_dir, batching) -> None:
     assert len(runs["int8"]) == 8
     # Rounded weights may flip a later near-tie, not the first tokens of this model.
     assert runs["int8"][:2] == runs[None][:2]
+
+
+def test_layers_without_the_fused_kernel_dequantize_and_say_so(model_dir, monkeypatch,
+                                                               caplog) -> None:
+    """Where PyTorch's fused int8 matmul is not built (it raises), every layer dequantizes, the
+    start-up log counts them, and the engine still serves."""
+    def unbuilt(*args):
+        raise NotImplementedError("no kernel for this backend")
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", unbuilt)
+    with caplog.at_level(logging.INFO, logger="engine.models.linear"):
+        engine = make_engine(model_dir, "paged", quantize="int8")
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Int8Linear)]
+    assert linears and not any(m.kernel for m in linears)
+    assert f"0 on PyTorch's fused int8 matmul, {len(linears)} dequantized" in caplog.text
+    req = Req("r", [5, 17, 42, 7], greedy(4))
+    drive(engine, [req])
+    assert len(req.tokens) == 4

@@ -172,8 +172,11 @@ def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.dev
             raise ValueError("invalid quantize='int8': needs a native model (Llama, Mistral, "
                              "Qwen2, Qwen3)")
         count = model.pack_linears("int8", min(config.max_num_seqs, 64))
-        logger.info("weights quantized to int8 (weight-only, per output channel): %d layers; "
-                    "linear_backend is not used", count)
+        fused = sum(1 for m in model.modules() if isinstance(m, Int8Linear) and m.kernel)
+        logger.info("weights quantized to int8 (weight-only, per output channel): %d layers, "
+                    "%d on PyTorch's fused int8 matmul, %d dequantized per step (no fused kernel "
+                    "for this device, dtype or shape); linear_backend is not used",
+                    count, fused, count - fused)
         return
     candidates = linear_candidates(config.linear_backend, device, dtype)
     for backend in candidates:
