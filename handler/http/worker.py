@@ -5,13 +5,24 @@ gunicorn's HTML page, and a SIGTERM that drains while it keeps answering.
 gthread's own SIGTERM handling stops accepting at once and leaves the listening socket open
 until the worker exits: a client connecting meanwhile hangs, then gets a reset. Here the worker
 keeps accepting while the app drains, so /ping and new requests get a prompt 503; it stops
-accepting only once the drain is over."""
+accepting only once the drain is over.
+
+gthread closes a connection (`Connection: close`, HTTP/1.0) on its main thread, lingering until
+the client closes its end (RFC 9112 9.6: so that unread bytes do not turn the close into a reset
+that truncates the answer), up to 2 s. That blocked the main loop: no accept, no keep-alive
+dispatch, no other close, for every client that keeps its socket open after the answer, and a
+client's round trip per close even when it does not. Here the linger runs in the main loop's
+poller instead and blocks nothing."""
 
 from __future__ import annotations
 
 import json
 import logging
+import selectors
+import socket
 import threading
+import time
+from functools import partial
 
 from gunicorn import util
 from gunicorn.workers.gthread import ThreadWorker
@@ -26,6 +37,10 @@ LIMIT_REQUEST_FIELD_SIZE = 8190  # bytes of one header field
 HEADER_LIMITS = {"limit_request_line": LIMIT_REQUEST_LINE,
                  "limit_request_fields": LIMIT_REQUEST_FIELDS,
                  "limit_request_field_size": LIMIT_REQUEST_FIELD_SIZE}
+
+# gunicorn's own bounds on the linger after a close (util.close_graceful).
+LINGER_SECONDS = 2.0
+LINGER_MAX_BYTES = 65536
 
 _TYPES = {400: "BadRequest", 403: "Forbidden", 414: "URITooLong", 417: "ExpectationFailed",
           431: "RequestHeaderFieldsTooLarge", 500: "InternalServerError",
@@ -60,7 +75,66 @@ class JsonErrorWorker(ThreadWorker):
         # ours alone, so replacing it here changes nothing for any other program.
         util.write_error = write_json_error
         self._draining = False
+        self._lingering: dict[socket.socket, list] = {}  # -> [deadline, bytes drained]
         super().init_process()
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:  # gthread has closed its poller: close what still lingers
+            for sock in self._lingering:
+                util.close(sock)
+            self._lingering.clear()
+
+    def enqueue_req(self, conn) -> None:
+        # Every connection passes here before its first request; from then on its graceful
+        # close (on the main thread, in finish_request) lingers in the poller.
+        if "close" not in vars(conn):
+            conn.close = partial(self._close, conn)
+        super().enqueue_req(conn)
+
+    def _close(self, conn, graceful: bool = False) -> None:
+        sock = conn.sock
+        if not graceful:
+            util.close(sock)
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)  # the client reads the end of the answer
+            sock.setblocking(False)
+            self.poller.register(sock, selectors.EVENT_READ, self._on_linger_readable)
+        except (OSError, ValueError, KeyError):
+            util.close(sock)
+            return
+        self._lingering[sock] = [time.monotonic() + LINGER_SECONDS, 0]
+
+    def _on_linger_readable(self, sock: socket.socket) -> None:
+        state = self._lingering.get(sock)
+        if state is None:
+            return
+        try:
+            data = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        state[1] += len(data)
+        if not data or state[1] >= LINGER_MAX_BYTES:
+            self._end_linger(sock)
+
+    def _end_linger(self, sock: socket.socket) -> None:
+        self._lingering.pop(sock, None)
+        try:
+            self.poller.unregister(sock)
+        except (OSError, ValueError, KeyError):
+            pass
+        util.close(sock)
+
+    def murder_pending(self) -> None:
+        """gthread calls this on every turn of its main loop: end the lingers that expired."""
+        super().murder_pending()
+        now = time.monotonic()
+        for sock in [s for s, (deadline, _) in self._lingering.items() if deadline <= now]:
+            self._end_linger(sock)
 
     def handle_exit(self, sig, frame) -> None:
         """SIGTERM: drain on a thread (a signal handler must return quickly); the main loop
