@@ -17,6 +17,7 @@ from engine.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
+from engine.core_server import CoreAddress, CoreServer
 from engine.guided import GuidedSpec, check_spec
 from engine.inputs import GenerationRequest
 from engine.llm_engine import LLMEngine
@@ -29,7 +30,8 @@ from engine.sequence import FinishReason
 __all__ = [
     "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "DEVICES", "DTYPES", "LINEAR_BACKENDS",
     "MAX_TOP_LOGPROBS", "MODEL_IMPLS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
-    "EngineClient", "EngineConfig", "EngineDeadError", "FinishReason", "Gauges",
+    "CoreAddress", "CoreServer", "EngineClient", "EngineConfig", "EngineDeadError",
+    "FinishReason", "Gauges",
     "GenerationRequest", "GuidedSpec", "LLMEngine", "QueueFullError", "RequestError",
     "RequestHandle", "SamplingParams", "StepStats", "TokenEvent", "check_spec",
 ]

@@ -6,6 +6,8 @@ Nothing behind it (tokenizer, scheduler, allocator) is for callers to touch."""
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable, Sequence
 
 from jinja2 import TemplateError
@@ -19,6 +21,9 @@ from engine.loop import Core, EngineLoop, RequestHandle
 from engine.outputs import Gauges, StepStats
 from engine.sampling_params import RequestError
 from engine.tokenizer_pool import MAX_CHARS_PER_TOKEN, TokenizerPool
+
+# Request ids must be unique in a core that several clients share: process id and a count.
+_CONNECTIONS = itertools.count()
 
 
 class EngineClient:
@@ -52,9 +57,28 @@ class EngineClient:
         client._init(core, tokenizer, core.limits, config, max_queued, on_step)
         return client
 
+    @classmethod
+    def connect(cls, config: EngineConfig, path: str, authkey: bytes, max_queued: int,
+                on_step: Callable[[StepStats], None] | None = None) -> EngineClient:
+        """Serve through a core process that other processes share (engine/core_server.py):
+        wait until it has loaded the model, then load the tokenizer."""
+        from engine.core_process import RemoteCore
+
+        core = RemoteCore(path, authkey)
+        try:
+            core.wait_ready()
+            tokenizer = load_tokenizer(config)
+        except BaseException:
+            core.terminate()
+            raise
+        client = cls.__new__(cls)
+        client._init(core, tokenizer, core.limits, config, max_queued, on_step,
+                     id_prefix=f"req-{os.getpid()}.{next(_CONNECTIONS)}-")
+        return client
+
     def _init(self, core: Core, tokenizer, limits: RequestLimits, config: EngineConfig,
               max_queued: int, on_step: Callable[[StepStats], None] | None,
-              guided: GuidedDecoding | None = None) -> None:
+              guided: GuidedDecoding | None = None, id_prefix: str = "req-") -> None:
         # The loop's output thread detokenizes with `tokenizer`; callers borrow copies.
         self._tokenizers = TokenizerPool(tokenizer)
         template = tokenizer.chat_template
@@ -68,7 +92,8 @@ class EngineClient:
         self._guided = guided
         self._limits = limits
         self.max_prompt_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
-        self._loop = EngineLoop(core, tokenizer, config.max_num_seqs, max_queued, on_step)
+        self._loop = EngineLoop(core, tokenizer, config.max_num_seqs, max_queued, on_step,
+                                id_prefix)
 
     def start(self) -> None:
         self._loop.start()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 
 from engine.config import EngineConfig
 from engine.core import CoreMessage, CoreUpdate, EngineCore
@@ -97,6 +99,58 @@ class ProcessCore:
             self._process.join(2)
             return False
         return True
+
+
+class RemoteCore:
+    """A core process that serves several fronts (engine/core_server.py), seen from one."""
+
+    def __init__(self, path: str, authkey: bytes) -> None:
+        self._conn = Client(path, "AF_UNIX", authkey=authkey)
+        self._send_lock = threading.Lock()  # request threads send concurrently
+        self._gone = threading.Event()  # the core closed our connection
+
+    def wait_ready(self) -> None:
+        """Block until the core has loaded its model; raises RuntimeError if it could not."""
+        first = self.receive()
+        if not isinstance(first, CoreReady):
+            reason = first.message if isinstance(first, CoreFailed) else "it exited"
+            raise RuntimeError(f"the engine core process did not start: {reason}")
+        self.limits, self.initial_gauges = first.limits, first.gauges
+
+    def start(self) -> None:
+        """The core steps as soon as it is ready; nothing to do."""
+
+    def send(self, message: CoreMessage) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except OSError:  # the core is gone; receive() reports it
+                pass
+
+    def receive(self) -> CoreUpdate | CoreReady | CoreFailed | None:
+        try:
+            update = self._conn.recv()
+        except (EOFError, OSError):
+            update = None
+        if update is None:  # its last word, or its death
+            self._gone.set()
+        return update
+
+    def is_alive(self) -> bool:
+        return not self._gone.is_set()
+
+    def join(self, timeout: float) -> bool:
+        """After StopCore: wait until the core has said its last (our receive() saw it end)."""
+        return self._gone.wait(timeout)
+
+    def terminate(self) -> None:
+        """Drop the connection (the core aborts what we had running). A shutdown, not a close:
+        it wakes a receive() blocked on another thread with an end of file."""
+        with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class _Pipes:

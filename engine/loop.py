@@ -119,7 +119,8 @@ class EngineLoop:
     and its KV is freed a step later."""
 
     def __init__(self, core: Core, tokenizer, max_num_seqs: int, max_queued: int,
-                 on_step: Callable[[StepStats], None] | None = None) -> None:
+                 on_step: Callable[[StepStats], None] | None = None,
+                 id_prefix: str = "req-") -> None:
         self.capacity = max_num_seqs + max_queued  # what runs at once plus job_queue_size
         self.output_processor = OutputProcessor(tokenizer)
         self._core = core
@@ -127,6 +128,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
+        self._id_prefix = id_prefix  # unique to this process when several share one core
         self._accepting = True
         self._stopping = False
         self._gauges = core.initial_gauges
@@ -202,7 +204,7 @@ class EngineLoop:
             logger.warning("engine output thread did not stop within 5 s")
 
     def _queue(self, request: GenerationRequest) -> RequestHandle:
-        request_id = f"req-{next(self._ids)}"
+        request_id = f"{self._id_prefix}{next(self._ids)}"
         handle = RequestHandle(self, request_id, len(request.prompt_token_ids))
         self._handles[request_id] = handle
         self.output_processor.add(request_id, request.params)

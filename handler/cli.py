@@ -6,12 +6,17 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
+from functools import partial
 from pathlib import Path
 
 from handler.config.properties import ConfigError, collect_settings, model_id_setting
 
 logger = logging.getLogger("batchyard")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # handler/http/metrics.py reads it
 
 DEFAULT_PORT = 8080
 HTTP_SPARE_THREADS = 16
@@ -54,6 +59,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"batchyard: configuration error: {err}", file=sys.stderr)
         return 2
     logger.info("configuration: %s", config.describe())
+    shared = config.api_server_count > 1
+    if shared:  # before prometheus_client is imported: it picks its storage then
+        os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="batchyard-metrics-")
     from handler.http.server import exit_on_engine_death, exit_on_load_failure, run_server
     from handler.http.state import ServerState
 
@@ -66,10 +74,31 @@ def run_serve(args: argparse.Namespace) -> int:
     threads = int(os.environ.get("BATCHYARD_HTTP_THREADS") or spare)
     if config.engine_process:
         passive_openmp(os.environ)
+    core = on_exit = None
+    if shared:  # one core process, started here, prepares and loads the model for every worker
+        from engine import CoreServer
+
+        core = CoreServer(config.engine, prepare)
+        on_exit = partial(_stop_shared, core, os.environ[MULTIPROC_ENV])
+        try:
+            core.wait_listening()
+        except RuntimeError as err:
+            logger.error("%s", err)
+            on_exit()
+            return 3
+        prepare = None
     run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay,
-                                   on_engine_death=exit_on_engine_death),
-               args.host, port, threads, config.drain_timeout)
+                                   on_engine_death=exit_on_engine_death,
+                                   core_address=core.address if core else None),
+               args.host, port, threads, config.drain_timeout, config.api_server_count,
+               on_exit)
     return 0
+
+
+def _stop_shared(core, metrics_dir: str) -> None:
+    """The workers have left: the core stops after the last one; their metrics files go."""
+    core.stop()
+    shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def passive_openmp(environ) -> None:
@@ -107,7 +136,7 @@ def resolve_config(args: argparse.Namespace, environ):
     if args.model_dir is None and is_s3_uri(model_id) and not is_complete(model_dir):
         return _s3_config(settings, model_id, model_dir, cache_dir, environ)
     if model_dir == default_model_dir(cache_dir) and not (model_dir / "config.json").exists():
-        prepare = lambda: ensure_default_model(cache_dir)  # noqa: E731  (built while /ping 503)
+        prepare = partial(ensure_default_model, cache_dir)  # built while /ping answers 503
         architectures = ["LlamaForCausalLM"]
     else:  # a folder with only a custom handler may have no config.json
         config_json = model_dir / "config.json"
@@ -133,10 +162,8 @@ def _s3_config(settings, model_id: str, model_dir: Path, cache_dir: Path | None,
 
     config = build_serving_config(settings, model_dir, [])  # the architecture: not known yet
 
-    def prepare() -> Path:
-        return download_model(model_id, cache_dir, environ)
-
-    return config, prepare
+    # A partial (not a closure): with api_server_count > 1 it runs in the core process.
+    return config, partial(download_model, model_id, cache_dir, dict(environ))
 
 
 def _env_path(environ, name: str) -> Path | None:

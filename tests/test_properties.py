@@ -97,6 +97,11 @@ def test_rolling_batch_with_batch_size_is_an_error() -> None:
     ("option.max_model_len=0", "option.max_model_len='0'"),
     ("option.linear_backend=blas", "option.linear_backend='blas'"),
     ("option.async_scheduling=yes", "option.async_scheduling='yes'"),
+    ("option.api_server_count=0", "option.api_server_count='0'"),
+    ("option.api_server_count=65", "option.api_server_count='65'"),
+    ("option.api_server_count=2\noption.engine_process=false", "option.api_server_count='2'"),
+    ("option.api_server_count=2\noption.entryPoint=my_handler",
+     "option.api_server_count='2'"),
 ])
 def test_bad_values_name_key_value_source_and_allowed(text, key) -> None:
     with pytest.raises(ConfigError) as err:
@@ -104,6 +109,15 @@ def test_bad_values_name_key_value_source_and_allowed(text, key) -> None:
     message = str(err.value)
     assert key in message and "serving.properties line" in message and "expected" in message
     assert "\n" not in message
+
+
+def test_api_server_count_shares_one_core_and_keeps_lmi_handlers() -> None:
+    assert resolve().api_server_count == 1
+    cfg = resolve("option.api_server_count=4")
+    assert cfg.api_server_count == 4 and "api_server_count=4" in cfg.describe()
+    # LMI's own handler names the built-in engine: several HTTP processes are fine.
+    assert resolve("option.api_server_count=2\noption.entryPoint=djl_python.lmi_vllm."
+                   "vllm_async_service").api_server_count == 2
 
 
 def test_sizes_and_types() -> None:

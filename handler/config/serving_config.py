@@ -42,6 +42,7 @@ DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "floa
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 DEFAULT_MAX_REQUEST_BYTES = 6 * 1024 * 1024  # SageMaker's InvokeEndpoint body limit
 DEFAULT_DRAIN_SECONDS = 30.0
+MAX_API_SERVERS = 64
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ServingConfig:
     drain_timeout: float = DEFAULT_DRAIN_SECONDS  # SIGTERM: how long in-flight requests get
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     engine_process: bool = True  # the engine core in a process of its own (else a thread)
+    api_server_count: int = 1  # HTTP processes (gunicorn workers) sharing that core process
     model_id: str | None = None
     strategy_reason: str = "default"
     lmi: LmiOptions = field(default_factory=LmiOptions)
@@ -68,6 +70,8 @@ class ServingConfig:
                  f"predict_timeout={self.predict_timeout:g}s",
                  f"drain_timeout={self.drain_timeout:g}s",
                  f"engine_process={self.engine_process}"]
+        if self.api_server_count > 1:
+            parts.append(f"api_server_count={self.api_server_count}")
         if e.quantize:
             parts.append(f"quantize={e.quantize}")
         if e.model_impl != "auto":
@@ -146,14 +150,31 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"invalid resolved configuration: {err}") from err
+    lmi = read_lmi_options(r, model_dir)
+    engine_process = r.flag("option.engine_process", True)
     return ServingConfig(
         engine=engine, job_queue_size=r.integer("job_queue_size", 1000, 0),
         predict_timeout=r.number("option.predict_timeout", 120.0, 0.001),
         drain_timeout=r.number("option.drain_timeout", DEFAULT_DRAIN_SECONDS, 0.0, 3600.0),
         max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
-        engine_process=r.flag("option.engine_process", True),
-        model_id=model_id_setting(settings), strategy_reason=why,
-        lmi=read_lmi_options(r, model_dir), settings=dict(settings))
+        engine_process=engine_process,
+        api_server_count=read_api_server_count(r, engine_process, lmi),
+        model_id=model_id_setting(settings), strategy_reason=why, lmi=lmi,
+        settings=dict(settings))
+
+
+def read_api_server_count(r: Reader, engine_process: bool, lmi: LmiOptions) -> int:
+    """HTTP processes sharing one engine core process (vLLM's --api-server-count)."""
+    count = r.integer("option.api_server_count", 1)
+    if count > MAX_API_SERVERS:
+        r.fail("option.api_server_count", f"an integer between 1 and {MAX_API_SERVERS}")
+    if count > 1 and not engine_process:
+        r.fail("option.api_server_count", "1 with option.engine_process=false (several HTTP "
+               "processes share the engine core only when it runs in a process of its own)")
+    if count > 1 and lmi.entry_point is not None and not lmi.builtin_engine_requested:
+        r.fail("option.api_server_count", "1 with a custom handler (option.entryPoint): each "
+               "HTTP process would load its own copy of the handler's model")
+    return count
 
 
 def read_tensor_parallel(r: Reader) -> int:

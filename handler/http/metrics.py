@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from engine import Gauges, StepStats
+
+# Set (by `batchyard serve`, before this module is imported) when several HTTP processes serve:
+# each writes its samples there and a scrape of any one of them sums them all.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 128, 256)
 _RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
+def _gauge(name: str, documentation: str, registry: CollectorRegistry) -> Gauge:
+    # The engine's gauges, set at scrape time by the process scraped: with several, its value
+    # is the newest.
+    return Gauge(name, documentation, registry=registry, multiprocess_mode="mostrecent")
+
+
 class Metrics:
-    """One registry per server process (one gunicorn worker)."""
+    """One registry per server process (one gunicorn worker); with several, /metrics from any
+    of them reports all (counters and histograms summed, gauges as last set)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._shared = bool(os.environ.get(MULTIPROC_ENV))
         self.requests = Counter("batchyard_requests", "Requests by HTTP status", ["status"],
                                 registry=r)
         self.aborted = Counter(
@@ -47,19 +61,18 @@ class Metrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.preemptions = Counter("batchyard_preemptions", "Sequences preempted (recompute)",
                                    registry=r)
-        self.queue_depth = Gauge("batchyard_queue_depth", "Requests waiting", registry=r)
-        self.running = Gauge("batchyard_running_sequences", "Sequences running", registry=r)
-        self.kv_used = Gauge("batchyard_kv_blocks_used", "KV blocks in use", registry=r)
-        self.kv_total = Gauge("batchyard_kv_blocks_total", "KV blocks in the pool", registry=r)
-        self.kv_block_size = Gauge(
+        self.queue_depth = _gauge("batchyard_queue_depth", "Requests waiting", r)
+        self.running = _gauge("batchyard_running_sequences", "Sequences running", r)
+        self.kv_used = _gauge("batchyard_kv_blocks_used", "KV blocks in use", r)
+        self.kv_total = _gauge("batchyard_kv_blocks_total", "KV blocks in the pool", r)
+        self.kv_block_size = _gauge(
             "batchyard_kv_block_size",
-            "Tokens per KV block (max_model_len for contiguous strategies)", registry=r)
-        self.max_concurrency = Gauge(
+            "Tokens per KV block (max_model_len for contiguous strategies)", r)
+        self.max_concurrency = _gauge(
             "batchyard_kv_max_concurrency",
-            "Sequences of max_model_len tokens the KV pool holds at once", registry=r)
-        self.prefix_hit_rate = Gauge("batchyard_prefix_cache_hit_rate",
-                                     "Prompt blocks found in the prefix cache / looked up",
-                                     registry=r)
+            "Sequences of max_model_len tokens the KV pool holds at once", r)
+        self.prefix_hit_rate = _gauge("batchyard_prefix_cache_hit_rate",
+                                      "Prompt blocks found in the prefix cache / looked up", r)
         self._preemptions_seen = 0
         self._gauges: Callable[[], Gauges] | None = None
 
@@ -105,4 +118,8 @@ class Metrics:
             self.kv_block_size.set(now.kv_block_size)
             self.max_concurrency.set(now.max_concurrency)
             self.prefix_hit_rate.set(now.prefix_cache_hit_rate)
-        return generate_latest(self.registry)
+        if not self._shared:
+            return generate_latest(self.registry)
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process)
+        return generate_latest(every_process)

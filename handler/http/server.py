@@ -1,5 +1,6 @@
-"""gunicorn: ONE worker (the model is loaded once) with many threads; the engine loop and the
-model loader run as background threads of that worker."""
+"""gunicorn: one worker with many threads, the engine loop and the model loader running as
+background threads of it; or, with option.api_server_count=N, N such workers that share one
+engine core process started before them (the model is loaded once either way)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ WRITE_OUT_SECONDS = 10
 class GunicornServer(BaseApplication):
     """Runs create_app(ServerState) in one gthread worker."""
 
-    def __init__(self, make_state: Callable[[], ServerState], options: dict) -> None:
+    def __init__(self, make_state: Callable[[], ServerState], options: dict,
+                 on_exit: Callable[[], None] | None = None) -> None:
         self._make_state = make_state
         self._options = options
+        self._on_exit = on_exit  # in the master, after the workers left
         self.state: ServerState | None = None
         super().__init__()
 
@@ -35,6 +38,10 @@ class GunicornServer(BaseApplication):
         for key, value in self._options.items():
             self.cfg.set(key, value)
         self.cfg.set("worker_exit", self._on_worker_exit)
+        if self._on_exit is not None:
+            self.cfg.set("on_exit", lambda server: self._on_exit())
+        if self._options["workers"] > 1:
+            self.cfg.set("child_exit", _forget_metrics_of)
 
     def load(self):
         # Runs inside the worker after fork: load the model there, in the background.
@@ -48,11 +55,20 @@ class GunicornServer(BaseApplication):
             self.state.shutdown(grace_seconds=0.0)
 
 
+def _forget_metrics_of(server, worker) -> None:
+    """A worker exited: its live gauges leave /metrics (prometheus_client's multiprocess mode)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
 def run_server(make_state: Callable[[], ServerState], host: str, port: int,
-               threads: int = 128, drain_seconds: float = 30.0) -> None:
-    """Serve until SIGTERM/SIGINT (exit 0) or a failed model load (exit 3)."""
+               threads: int = 128, drain_seconds: float = 30.0, workers: int = 1,
+               on_exit: Callable[[], None] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (exit 0) or a failed model load (exit 3); `workers` > 1 share
+    one engine core process, which `on_exit` stops."""
     options = {
-        "bind": f"{host}:{port}", "workers": 1, "worker_class": JsonErrorWorker,
+        "bind": f"{host}:{port}", "workers": workers, "worker_class": JsonErrorWorker,
         "threads": threads, **HEADER_LIMITS,
         "worker_connections": max(1000, threads + 64),
         # The gthread worker's main loop heartbeats while requests run: long generations are
@@ -61,8 +77,10 @@ def run_server(make_state: Callable[[], ServerState], host: str, port: int,
         "graceful_timeout": math.ceil(drain_seconds) + WRITE_OUT_SECONDS,
         "loglevel": "info", "accesslog": None, "proc_name": "batchyard",
     }
-    logger.info("listening on http://%s:%d (1 worker, %d threads)", host, port, threads)
-    GunicornServer(make_state, options).run()
+    each = (f"{workers} workers, {threads} threads each" if workers > 1
+            else f"1 worker, {threads} threads")
+    logger.info("listening on http://%s:%d (%s)", host, port, each)
+    GunicornServer(make_state, options, on_exit).run()
 
 
 def exit_on_load_failure() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import EngineClient
+from engine import CoreAddress, EngineClient
 from handler.config.serving_config import ServingConfig
 from handler.http.formatters import Formatters
 from handler.http.metrics import Metrics
@@ -29,7 +30,8 @@ class ServerState:
     def __init__(self, config: ServingConfig, prepare_model: Callable[[], Path] | None = None,
                  on_load_failure: Callable[[], None] | None = None,
                  load_delay: float = 0.0,
-                 on_engine_death: Callable[[], None] | None = None) -> None:
+                 on_engine_death: Callable[[], None] | None = None,
+                 core_address: CoreAddress | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
         self.model_name = Path(config.engine.model).name
@@ -42,12 +44,16 @@ class ServerState:
         self._on_load_failure = on_load_failure
         self._load_delay = load_delay  # test hook: makes the loading phase observable
         self._on_engine_death = on_engine_death
+        # Set when several HTTP processes share one core process (option.api_server_count):
+        # that process prepares and loads the model, this one connects to it.
+        self._core_address = core_address
+        self._all_started = False
 
     def start_loading(self) -> None:
         threading.Thread(target=self._load, name="model-loader", daemon=True).start()
 
     def ready(self) -> bool:
-        if self.status != "ready":
+        if self.status != "ready" or not self._all_workers_started():
             return False
         if self.runner is not None:
             return self.runner.alive()
@@ -88,12 +94,44 @@ class ServerState:
         if self.client is not None:
             self.client.shutdown(grace_seconds)
 
+    def _connect(self) -> None:
+        """Serve through the shared core process once it has loaded the model."""
+        started = time.monotonic()
+        address = self._core_address
+        client = EngineClient.connect(self.config.engine, address.path, address.authkey,
+                                      self.config.job_queue_size, self.metrics.on_step)
+        try:  # model.py's formatters; a handler in it is refused
+            self.formatters = load_custom_code(self.config, allow_handler=False).formatters
+        except BaseException:
+            client.start()  # so that it can say goodbye to the core
+            client.shutdown(grace_seconds=0)
+            raise
+        self.serve(client)
+        self._started_marker().touch()
+        logger.info("connected to the engine core in %.1f s; serving",
+                    time.monotonic() - started)
+
+    def _started_marker(self) -> Path:
+        return Path(self._core_address.path).parent / f"started-{os.getpid()}"
+
+    def _all_workers_started(self) -> bool:
+        """With several HTTP processes, none says ready before all have started once: until
+        then a request that the kernel hands to one still loading would get a 503."""
+        if self._core_address is None or self._all_started:
+            return True
+        started = len(list(self._started_marker().parent.glob("started-*")))
+        self._all_started = started >= self.config.api_server_count
+        return self._all_started
+
     def _load(self) -> None:
         started = time.monotonic()
         try:
             time.sleep(self._load_delay)
             if self._prepare_model is not None:
                 self._prepare_model()
+            if self._core_address is not None:
+                self._connect()
+                return
             custom = load_custom_code(self.config)
             self.formatters = custom.formatters
             if custom.runner is not None:

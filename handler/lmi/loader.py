@@ -26,8 +26,9 @@ class CustomCode:
     formatters: Formatters
 
 
-def load_custom_code(config: ServingConfig) -> CustomCode:
-    """Raises EntryPointError, or what the handler's start-up call raises."""
+def load_custom_code(config: ServingConfig, allow_handler: bool = True) -> CustomCode:
+    """Raises EntryPointError (also for a handler when not `allow_handler`), or what the
+    handler's start-up call raises."""
     lmi, model_dir = config.lmi, Path(config.engine.model)
     djl = ensure_djl_python() if _may_import(lmi, model_dir) else None
     module = load_module(lmi, model_dir) if djl is not None else None
@@ -37,6 +38,10 @@ def load_custom_code(config: ServingConfig) -> CustomCode:
         function = None
     else:
         function = handler_function(module, lmi.handler) if module is not None else None
+    if function is not None and not allow_handler:
+        raise EntryPointError(f"{module.__name__}.{lmi.handler} is a custom handler: serve it "
+                              "with option.api_server_count=1 (each HTTP process would run "
+                              "its own copy)")
     if function is not None:
         runner = _runner(config, function, djl.Input)
         runner.initialize(init_properties(config))

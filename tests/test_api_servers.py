@@ -1,0 +1,79 @@
+"""option.api_server_count=2 through the real server: two gunicorn workers share one engine core
+process; answers equal one worker's, /metrics from either counts both, SIGTERM stops all."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.models_fixtures import build_tiny_model
+from tests.server_harness import running_server
+
+pytestmark = pytest.mark.slow
+
+HANDLERS = Path(__file__).resolve().parent / "fixtures" / "lmi_handlers"
+PAGED = ("option.rolling_batch=paged\noption.max_rolling_batch_size=8\n"
+         "option.max_model_len=256\njob_queue_size=16\n")
+PROMPTS = [f"prompt number {i} " * (1 + i % 3) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("api-servers-model"))
+
+
+def texts(url: str) -> list[str]:
+    def one(prompt: str) -> str:
+        r = requests.post(f"{url}/invocations", timeout=60, json={
+            "inputs": prompt, "parameters": {"max_new_tokens": 12, "do_sample": False}})
+        assert r.status_code == 200, r.text
+        return r.json()["generated_text"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+def core_pid(log: str) -> int:
+    return int(log.split("engine core process ")[1].split()[0].rstrip(";"))
+
+
+def test_two_http_processes_share_one_core(model_dir, tmp_path) -> None:
+    with running_server(tmp_path, model_dir, PAGED) as one:
+        expected = texts(one.url)
+    with running_server(tmp_path, model_dir, PAGED + "option.api_server_count=2\n"
+                        ) as two:
+        assert texts(two.url) == expected
+        log = two.log()
+        assert "(2 workers," in log and "a serving process connected (2 now)" in log
+        assert log.count("connected to the engine core") == 2
+        assert log.count("engine ready:") == 1  # the model was loaded once
+        # Either worker answers the scrape, and it counts the requests both answered.
+        for _ in range(4):
+            assert two.metric('batchyard_requests_total{status="200"}') == len(PROMPTS)
+            assert two.metric("batchyard_generation_tokens_total") == 12 * len(PROMPTS)
+            assert two.metric("batchyard_running_sequences") == 0
+        stream = requests.post(f"{two.url}/invocations", stream=True, timeout=60, json={
+            "inputs": "x", "parameters": {"max_new_tokens": 3}, "stream": True})
+        assert stream.status_code == 200 and len(list(stream.iter_lines())) == 3
+        two.process.send_signal(signal.SIGTERM)
+        assert two.process.wait(timeout=60) == 0
+        assert "a serving process left (0 now)" in two.log()
+        with pytest.raises(ProcessLookupError):
+            os.kill(core_pid(log), 0)
+
+
+def test_a_model_py_handler_is_refused_rather_than_run_once_per_process(model_dir,
+                                                                         tmp_path) -> None:
+    folder = tmp_path / "with-handler"
+    shutil.copytree(model_dir, folder)
+    shutil.copy(HANDLERS / "echo" / "model.py", folder / "model.py")
+    with running_server(tmp_path, folder, PAGED + "option.api_server_count=2\n",
+                        wait_ready=False) as srv:
+        assert srv.process.wait(timeout=120) == 3
+        assert "serve it with option.api_server_count=1" in srv.log()
