@@ -6,8 +6,7 @@ Nothing behind it (tokenizer, scheduler, allocator) is for callers to touch."""
 
 from __future__ import annotations
 
-import itertools
-import os
+import secrets
 from collections.abc import Callable, Sequence
 
 from jinja2 import TemplateError
@@ -21,9 +20,6 @@ from engine.loop import Core, EngineLoop, RequestHandle
 from engine.outputs import Gauges, StepStats
 from engine.sampling_params import RequestError
 from engine.tokenizer_pool import MAX_CHARS_PER_TOKEN, TokenizerPool
-
-# Request ids must be unique in a core that several clients share: process id and a count.
-_CONNECTIONS = itertools.count()
 
 
 class EngineClient:
@@ -73,7 +69,7 @@ class EngineClient:
             raise
         client = cls.__new__(cls)
         client._init(core, tokenizer, core.limits, config, max_queued, on_step,
-                     id_prefix=f"req-{os.getpid()}.{next(_CONNECTIONS)}-")
+                     id_prefix=f"req-{secrets.token_hex(4)}-")  # unique in the shared core
         return client
 
     def _init(self, core: Core, tokenizer, limits: RequestLimits, config: EngineConfig,

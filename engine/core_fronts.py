@@ -8,13 +8,13 @@ counts each step once)."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
+import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, Pipe, wait
 
 from engine.core import CoreUpdate
-from engine.core_process import CoreFailed, CoreReady
+from engine.core_process import CoreFailed, CoreReady, FrontReading
 from engine.inputs import AbortRequest, AddRequest, StopCore
 
 logger = logging.getLogger(__name__)
@@ -31,9 +31,9 @@ class Fronts:
         self._hello: CoreReady | CoreFailed | None = None  # once the model loaded or failed
         self._wake_reader, self._wake_writer = Pipe(duplex=False)
         self._fronts: list[Connection] = []
+        self._reading: list[Connection] = []  # those that said FrontReading: updates go there
         self._owner: dict[str, Connection] = {}  # request id -> the front that sent it
         self._had_front = False
-        self._parent = os.getppid()
         threading.Thread(target=self._accept, name="front-accept", daemon=True).start()
 
     def open(self, hello: CoreReady | CoreFailed) -> None:
@@ -48,8 +48,10 @@ class Fronts:
                 conn = self._listener.accept()
             except (AuthenticationError, EOFError, ConnectionError):
                 continue  # not one of ours, or it left during the handshake
-            except OSError:
-                return  # the listener closed
+            except OSError as err:  # e.g. out of descriptors: the next front may still come
+                logger.warning("engine core: accepting a serving process failed: %s", err)
+                time.sleep(0.1)
+                continue
             with self._lock:
                 self._pending.append(conn)
             self._wake_writer.send(None)
@@ -73,9 +75,6 @@ class Fronts:
 
     def receive(self, timeout: float | None) -> list:
         messages: list = []
-        if os.getppid() != self._parent:  # the server that started us is gone
-            logger.warning("the server process is gone; the engine core stops")
-            return [StopCore()]
         for conn in wait([*self._fronts, self._wake_reader], 0 if timeout is None else timeout):
             if conn is self._wake_reader:
                 while self._wake_reader.poll(0):
@@ -94,6 +93,9 @@ class Fronts:
                 message = conn.recv()
                 if isinstance(message, StopCore):  # this front shuts down
                     return messages + self._leave(conn, goodbye=True)
+                if isinstance(message, FrontReading):
+                    self._reading.append(conn)
+                    continue
                 if isinstance(message, AddRequest):
                     self._owner[message.request_id] = conn
                 messages.append(message)
@@ -104,6 +106,8 @@ class Fronts:
     def _leave(self, conn: Connection, goodbye: bool) -> list[AbortRequest]:
         """Forget a front; what it still had running is aborted (nobody would read it)."""
         self._fronts.remove(conn)
+        if conn in self._reading:
+            self._reading.remove(conn)
         orphans = [rid for rid, owner in self._owner.items() if owner is conn]
         for rid in orphans:
             del self._owner[rid]
@@ -122,13 +126,13 @@ class Fronts:
             for conn in self._fronts:
                 self._send(conn, None)
             return
-        mine: dict[int, list] = {id(conn): [] for conn in self._fronts}
+        mine: dict[int, list] = {id(conn): [] for conn in self._reading}
         for out in update.outputs:
             conn = (self._owner.pop(out.request_id, None) if out.finish_reason is not None
                     else self._owner.get(out.request_id))
             if conn is not None and id(conn) in mine:
                 mine[id(conn)].append(out)
-        for i, conn in enumerate(self._fronts):
+        for i, conn in enumerate(self._reading):
             self._send(conn, CoreUpdate(mine[id(conn)], update.gauges,
                                         update.stats if i == 0 else None))
 

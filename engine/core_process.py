@@ -35,6 +35,12 @@ class CoreReady:
 
 
 @dataclass(frozen=True)
+class FrontReading:
+    """A front of a shared core reads its updates from now on (until then none are sent: a
+    front still loading its tokenizer would fill the socket and block the core's sends)."""
+
+
+@dataclass(frozen=True)
 class CoreFailed:
     """The core could not load (the traceback is in the core's log)."""
 
@@ -118,9 +124,10 @@ class RemoteCore:
         self.limits, self.initial_gauges = first.limits, first.gauges
 
     def start(self) -> None:
-        """The core steps as soon as it is ready; nothing to do."""
+        """The output thread reads from now on: the core may send."""
+        self.send(FrontReading())
 
-    def send(self, message: CoreMessage) -> None:
+    def send(self, message: CoreMessage | FrontReading) -> None:
         with self._send_lock:
             try:
                 self._conn.send(message)

@@ -16,10 +16,12 @@ import logging
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LISTEN_WAIT_SECONDS = 120.0  # how long the starting process waits for the core's socket
+PARENT_CHECK_SECONDS = 0.5
 _LOG_FORMAT = "%(asctime)s %(levelname)s engine-core %(name)s: %(message)s"
 
 
@@ -75,15 +78,25 @@ class CoreServer:
             time.sleep(0.02)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """After the serving processes left, the core exits by itself; make sure of it."""
+        """After the serving processes left, the core exits by itself; make sure of it. Safe to
+        call more than once."""
         try:
             self._process.wait(timeout)
         except subprocess.TimeoutExpired:
             logger.warning("engine core process did not stop within %.0f s; killing it", timeout)
             self._process.kill()
-        for name in os.listdir(self._dir):
-            os.unlink(os.path.join(self._dir, name))
-        os.rmdir(self._dir)
+            self._process.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """The server that started us is gone (killed, or it never reached its exit hook): stop,
+    even while the model still loads, rather than hold its memory and device."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_SECONDS)
+    logger.warning("engine core: the server process is gone; exiting")
+    logging.shutdown()
+    os._exit(1)
 
 
 def main() -> None:
@@ -92,6 +105,8 @@ def main() -> None:
     logging.basicConfig(level=setup.log_level, format=_LOG_FORMAT)
     for signum in (signal.SIGINT, signal.SIGTERM):  # the fronts stop us, after their drain
         signal.signal(signum, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch",
+                     daemon=True).start()
     listener = Listener(setup.address.path, "AF_UNIX", backlog=64,
                         authkey=setup.address.authkey)
     from engine.core import EngineCore  # torch: imported once the socket is there

@@ -69,6 +69,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._seed_rng = random.Random(config.seed)
         self._last_batch: ScheduledBatch | None = None
+        self._preemptions_reported = 0  # by last_step_stats, which reports the new ones
         self.phases: StepPhases | NoPhases = NoPhases()
         self.output_processor = OutputProcessor(tokenizer)
         self._guided: GuidedDecoding | None = None  # see `guided`
@@ -300,13 +301,15 @@ class LLMEngine:
     def last_step_stats(self, seconds: float) -> StepStats:
         """Facts about the step just run, for metrics."""
         batch, allocator = self._last_batch, self.scheduler.allocator
+        preempted = self.scheduler.num_preemptions - self._preemptions_reported
+        self._preemptions_reported = self.scheduler.num_preemptions
         return StepStats(
             num_seqs=len(batch.seqs) if batch else 0,
             num_prefill_tokens=batch.num_prefill_tokens if batch else 0,
             num_decode_tokens=batch.num_decode_tokens if batch else 0,
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             kv_blocks_used=allocator.num_used_blocks, kv_blocks_total=allocator.num_blocks,
-            num_preemptions=self.scheduler.num_preemptions, step_seconds=seconds)
+            num_preemptions=preempted, step_seconds=seconds)
 
     def gauges(self) -> Gauges:
         """The scheduler's and the pool's state now (call on the thread that steps)."""

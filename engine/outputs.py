@@ -50,7 +50,7 @@ class StepStats:
     num_running: int
     kv_blocks_used: int
     kv_blocks_total: int
-    num_preemptions: int
+    num_preemptions: int  # since the previous StepStats (each counted once)
     step_seconds: float
 
 

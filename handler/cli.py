@@ -87,11 +87,17 @@ def run_serve(args: argparse.Namespace) -> int:
             on_exit()
             return 3
         prepare = None
-    run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay,
-                                   on_engine_death=exit_on_engine_death,
-                                   core_address=core.address if core else None),
-               args.host, port, threads, config.drain_timeout, config.api_server_count,
-               on_exit)
+    master = os.getpid()
+    try:
+        run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay,
+                                       on_engine_death=exit_on_engine_death,
+                                       core_address=core.address if core else None),
+                   args.host, port, threads, config.drain_timeout, config.api_server_count,
+                   on_exit)
+    finally:  # also where gunicorn leaves without its on_exit hook (e.g. the port is taken);
+        # not in a worker, whose exit unwinds this same (forked) stack
+        if on_exit is not None and os.getpid() == master:
+            on_exit()
     return 0
 
 

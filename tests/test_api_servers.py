@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from engine import CoreAddress, EngineConfig
+from handler.config.serving_config import ServingConfig
+from handler.http.state import ServerState
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import running_server
 
@@ -39,6 +42,12 @@ def texts(url: str) -> list[str]:
         return list(pool.map(one, PROMPTS))
 
 
+def answering_workers(log: str) -> set[str]:
+    """The request-id prefixes in the request log: one per worker."""
+    return {line.split("request req-")[1].split("-")[0]
+            for line in log.splitlines() if "request req-" in line}
+
+
 def core_pid(log: str) -> int:
     return int(log.split("engine core process ")[1].split()[0].rstrip(";"))
 
@@ -48,15 +57,25 @@ def test_two_http_processes_share_one_core(model_dir, tmp_path) -> None:
         expected = texts(one.url)
     with running_server(tmp_path, model_dir, PAGED + "option.api_server_count=2\n"
                         ) as two:
+        rounds = 1
         assert texts(two.url) == expected
+        while len(answering_workers(two.log())) < 2:  # the kernel picks the worker
+            assert texts(two.url) == expected
+            rounds += 1
+            assert rounds < 20, "one worker answered every request"
         log = two.log()
         assert "(2 workers," in log and "a serving process connected (2 now)" in log
         assert log.count("connected to the engine core") == 2
         assert log.count("engine ready:") == 1  # the model was loaded once
-        # Either worker answers the scrape, and it counts the requests both answered.
+        # Either worker answers the scrape, and it counts the requests both answered, and
+        # each engine step once (its facts reach one worker only).
+        requests_made = rounds * len(PROMPTS)
         for _ in range(4):
-            assert two.metric('batchyard_requests_total{status="200"}') == len(PROMPTS)
-            assert two.metric("batchyard_generation_tokens_total") == 12 * len(PROMPTS)
+            assert two.metric('batchyard_requests_total{status="200"}') == requests_made
+            assert two.metric("batchyard_generation_tokens_total") == 12 * requests_made
+            assert two.metric('batchyard_step_tokens_total{kind="decode"}') == 11 * requests_made
+            assert two.metric('batchyard_step_tokens_total{kind="prefill"}') == two.metric(
+                "batchyard_prompt_tokens_total")
             assert two.metric("batchyard_running_sequences") == 0
         stream = requests.post(f"{two.url}/invocations", stream=True, timeout=60, json={
             "inputs": "x", "parameters": {"max_new_tokens": 3}, "stream": True})
@@ -77,3 +96,14 @@ def test_a_model_py_handler_is_refused_rather_than_run_once_per_process(model_di
                         wait_ready=False) as srv:
         assert srv.process.wait(timeout=120) == 3
         assert "serve it with option.api_server_count=1" in srv.log()
+
+
+def test_no_worker_says_ready_before_all_have_started(tmp_path) -> None:
+    """Until every worker has connected once, the kernel may hand a request to one still
+    loading: /ping stays 503 on those that are ready."""
+    config = ServingConfig(engine=EngineConfig(model=str(tmp_path)), api_server_count=2)
+    state = ServerState(config, core_address=CoreAddress(str(tmp_path / "core.sock"), b"k"))
+    (tmp_path / "started-101").touch()
+    assert not state._all_workers_started()
+    (tmp_path / "started-102").touch()
+    assert state._all_workers_started()

@@ -10,7 +10,7 @@ import pytest
 
 from engine import EngineClient, EngineConfig, GenerationRequest, SamplingParams
 from engine.core_server import CoreServer
-from tests.engine_harness import MAX_MODEL_LEN, greedy, make_engine, wait_until
+from tests.engine_harness import MAX_MODEL_LEN, Req, drive, greedy, make_engine, wait_until
 from tests.models_fixtures import build_tiny_model
 
 PROMPTS = [(5, 6, 7, 8), (9, 10, 11), tuple(range(20, 40)), (3, 4)]
@@ -35,9 +35,9 @@ def core(model_dir):
     server.stop()
 
 
-def front(core: CoreServer, model_dir) -> EngineClient:
+def front(core: CoreServer, model_dir, max_queued: int = 8) -> EngineClient:
     client = EngineClient.connect(config(model_dir), core.address.path, core.address.authkey,
-                                  max_queued=8)
+                                  max_queued=max_queued)
     client.start()
     return client
 
@@ -120,3 +120,33 @@ def test_a_model_that_fails_to_load_fails_every_front(tmp_path) -> None:
     finally:
         server.stop()
     assert server._process.returncode == 1
+
+
+def test_a_front_that_does_not_read_yet_does_not_block_the_core(core, model_dir) -> None:
+    """A restarted worker connects, then loads its tokenizer before it reads: the core sends it
+    nothing until it says it reads, or its socket would fill and block the core's every send
+    (~2,000 steps here: several times the socket's buffer)."""
+    loading = EngineClient.connect(config(model_dir), core.address.path, core.address.authkey,
+                                   max_queued=8)  # not started: reads nothing
+    busy = front(core, model_dir, max_queued=100)
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(tokens(
+        busy, [(5, 6, 7, i) for i in range(100)], [greedy(80)] * 100)))
+    worker.start()
+    worker.join(180)
+    assert done and all(len(t) == 80 for t in done[0])
+    loading.start()  # now it reads, and its requests run as anyone's
+    assert tokens(loading, PROMPTS[:1], params()[:1]) == tokens(busy, PROMPTS[:1], params()[:1])
+    loading.shutdown(grace_seconds=0)
+    busy.shutdown(grace_seconds=0)
+
+
+def test_step_stats_count_each_preemption_once(model_dir) -> None:
+    """/metrics adds StepStats.num_preemptions up, whichever process received the step."""
+    engine = make_engine(model_dir, "paged", block_size=4, num_kv_blocks=26)
+    reported: list[int] = []
+    prompts = [list(range(4 + i, 30 + 3 * i)) for i in range(4)]
+    drive(engine, [Req(f"r{i}", p, greedy(10)) for i, p in enumerate(prompts)],
+          after_step=lambda e: reported.append(e.last_step_stats(0.0).num_preemptions))
+    assert engine.scheduler.num_preemptions > 0
+    assert sum(reported) == engine.scheduler.num_preemptions

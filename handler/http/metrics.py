@@ -21,8 +21,8 @@ _RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 def _gauge(name: str, documentation: str, registry: CollectorRegistry) -> Gauge:
     # The engine's gauges, set at scrape time by the process scraped: with several, its value
-    # is the newest.
-    return Gauge(name, documentation, registry=registry, multiprocess_mode="mostrecent")
+    # is the newest of the live ones (a dead worker's are dropped: server.py's child_exit).
+    return Gauge(name, documentation, registry=registry, multiprocess_mode="livemostrecent")
 
 
 class Metrics:
@@ -73,7 +73,6 @@ class Metrics:
             "Sequences of max_model_len tokens the KV pool holds at once", r)
         self.prefix_hit_rate = _gauge("batchyard_prefix_cache_hit_rate",
                                       "Prompt blocks found in the prefix cache / looked up", r)
-        self._preemptions_seen = 0
         self._gauges: Callable[[], Gauges] | None = None
 
     def watch(self, gauges: Callable[[], Gauges]) -> None:
@@ -89,9 +88,8 @@ class Metrics:
         self.step_tokens.labels("prefill").inc(stats.num_prefill_tokens)
         self.step_tokens.labels("decode").inc(stats.num_decode_tokens)
         self.step_seconds.observe(stats.step_seconds)
-        if stats.num_preemptions > self._preemptions_seen:
-            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
 
     def on_request(self, status: int, prompt_tokens: int, token_times: list[float],
                    start: float, end: float) -> None:

@@ -106,6 +106,9 @@ class JsonErrorWorker(ThreadWorker):
             util.close(sock)
             return
         self._lingering[sock] = [time.monotonic() + LINGER_SECONDS, 0]
+        # Still a connection: counted against worker_connections, and waited for by gthread's
+        # graceful stop (gthread uncounted it before this close).
+        self.nr_conns += 1
 
     def _on_linger_readable(self, sock: socket.socket) -> None:
         state = self._lingering.get(sock)
@@ -122,7 +125,8 @@ class JsonErrorWorker(ThreadWorker):
             self._end_linger(sock)
 
     def _end_linger(self, sock: socket.socket) -> None:
-        self._lingering.pop(sock, None)
+        if self._lingering.pop(sock, None) is not None:
+            self.nr_conns -= 1
         try:
             self.poller.unregister(sock)
         except (OSError, ValueError, KeyError):
