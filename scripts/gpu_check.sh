@@ -15,6 +15,9 @@
 #   PYTHON=.venv/bin/python DEVICE=cpu PRESETS=llama-tiny OUT=/tmp/gpu-check scripts/gpu_check.sh
 # PRESETS="llama-1b llama-7b" adds a 7B-shaped model (~13 GB of random weights: ~3 more minutes;
 # then give the device call its full 600 s and run fewer tests, or run 7B in a second call).
+# CHECKS picks the parts (default "tests profile"); CHECKS=served, in a second call, serves the
+# first preset over HTTP with option.api_server_count 1 and then 2 (128 streaming clients, the
+# served-gap run's raw_client.py) and puts req/s and time to first byte in summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
@@ -39,6 +42,7 @@ OUT=${OUT:-/tmp/gpu-check}
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 PRESETS=${PRESETS:-llama-1b}
+CHECKS=" ${CHECKS:-tests profile} "
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 : > "$OUT/log.txt"
@@ -61,6 +65,8 @@ step() {  # step NAME SECONDS COMMAND...: run it, log it, one line in the summar
     echo "$name: rc=$rc in $(( $(date +%s) - start )) s" >> "$OUT/summary.txt"
 }
 
+want() { [[ "$CHECKS" == *" $1 "* ]]; }
+
 step env 30 "$PY" -c "
 import torch, transformers, tokenizers, llguidance, flask
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())
@@ -71,13 +77,14 @@ if torch.cuda.is_available():
 # The CUDA cases the suite skips on CPU: async scheduling with and without graphs, graphs
 # captured, checked and exact per strategy, every strategy and backend against generate,
 # FlexAttention against the reference in bf16 and compiled at start-up.
-step cuda-tests 170 "$PY" -m pytest -q -rs -p no:cacheprovider \
+want tests && step cuda-tests 170 "$PY" -m pytest -q -rs -p no:cacheprovider \
     "tests/test_async_scheduling.py::test_planned_ahead_on_cuda_gives_generate_greedy_tokens" \
     "tests/test_padded_decode.py::test_cuda_graphs_are_captured_checked_and_exact" \
     "tests/test_equivalence.py::test_greedy_matches_transformers_generate_on_gpu" \
     "tests/test_attention_backends.py::test_flex_matches_reference_on_gpu_bf16" \
     "tests/test_attention_backends.py::test_flex_on_gpu_compiles_at_start_up_not_while_serving"
-grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/log.txt" | tail -1 >> "$OUT/summary.txt"
+want tests && grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/log.txt" | tail -1 \
+    >> "$OUT/summary.txt"
 
 tokenizer=$CARRY/tokenizer
 if [ ! -f "$tokenizer/tokenizer.json" ]; then  # a rehearsal without --fetch: the tests' tiny BPE
@@ -88,6 +95,7 @@ fi
 dtype=bfloat16
 [ "$DEVICE" = cpu ] && dtype=float32
 for preset in $PRESETS; do
+    want profile || break
     model=/tmp/gpu-check-$preset
     rm -rf "$model"
     step "model-$preset" 90 "$PY" -m handler.cli bench random-model "$model" --preset "$preset" \
@@ -99,6 +107,39 @@ for preset in $PRESETS; do
     done
     rm -rf "$model"
 done
+served() {  # served MODEL COUNT: serve it with api_server_count=COUNT, load it, stop it
+    local props=/tmp/gpu-check-served-$2.properties port=$((8090 + $2)) pid
+    printf "option.rolling_batch=paged\noption.max_rolling_batch_size=128\n\
+option.max_model_len=512\noption.dtype=%s\noption.device=%s\njob_queue_size=256\n\
+option.api_server_count=%s\n" "$dtype" "$DEVICE" "$2" > "$props"
+    "$PY" -m handler.cli serve --properties "$props" --model-dir "$1" --host 127.0.0.1 \
+        --port "$port" >> "$OUT/log.txt" 2>&1 &
+    pid=$!
+    step "served-ping-$2" 150 "$PY" -c "
+import time, urllib.request
+while True:
+    try:
+        urllib.request.urlopen('http://127.0.0.1:$port/ping', timeout=2)
+        break
+    except OSError:
+        time.sleep(1)"
+    step "served-api-server-count-$2" 90 "$PY" \
+        docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py --port "$port" \
+        --model-dir "$1" -n "${SERVED_REQUESTS:-1280}" -c 128
+    grep "req/s;" "$OUT/log.txt" | tail -1 | sed "s/^/api_server_count=$2: /" >> "$OUT/summary.txt"
+    kill -TERM "$pid"
+    wait "$pid"
+}
+if want served; then
+    preset=${PRESETS%% *}
+    model=/tmp/gpu-check-$preset
+    rm -rf "$model"
+    step "model-$preset" 90 "$PY" -m handler.cli bench random-model "$model" --preset "$preset" \
+        --tokenizer-from "$tokenizer" --dtype "$dtype" --device "$DEVICE"
+    served "$model" 1
+    served "$model" 2
+    rm -rf "$model"
+fi
 # The device returns at most 8 files: with several presets, the JSON profiles alone.
 [ "$(find "$OUT" -type f | wc -l)" -gt 8 ] && find "$OUT" -name profile.md -delete
 # What the start-up checks decided (graphs, async scheduling, attention): each says why it fell

@@ -39,3 +39,18 @@ def test_every_bench_option_it_passes_exists() -> None:
                                    cwd=SCRIPT.parent.parent).stdout
         for flag in flags:
             assert flag in help_text, f"bench {command} has no {flag}"
+
+
+def test_the_served_check_names_a_client_and_serve_options_that_exist() -> None:
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    (client,) = set(re.findall(r"(docs/\S+\.py)", text))
+    assert (SCRIPT.parent.parent / client).is_file()
+    serve_flags = set(re.findall(r"(--[\w-]+)", text.split("handler.cli serve", 1)[1]
+                                 .split("\n", 1)[0]))
+    assert {"--properties", "--model-dir", "--port"} <= serve_flags
+    help_text = subprocess.run([sys.executable, "-m", "handler.cli", "serve", "-h"],
+                               capture_output=True, text=True, check=True,
+                               cwd=SCRIPT.parent.parent).stdout
+    for flag in serve_flags:
+        assert flag in help_text, f"batchyard serve has no {flag}"
+    assert "option.api_server_count=%s" in text
