@@ -66,8 +66,15 @@ class CoreServer:
         self._process = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE)
         self._process.stdin.write(pickle.dumps(setup))
         self._process.stdin.close()
-        logger.info("engine core process %d started; serving processes connect to it",
-                    self._process.pid)
+        logger.info("engine core process %d started; serving processes connect to it in %s",
+                    self._process.pid, self._dir)
+
+    def scratch_dir(self, name: str) -> str:
+        """A folder of the core's private directory, removed with it (e.g. the HTTP workers'
+        metrics files)."""
+        path = Path(self._dir) / name
+        path.mkdir()
+        return str(path)
 
     def wait_listening(self, timeout: float = LISTEN_WAIT_SECONDS) -> None:
         """Block until serving processes can connect; raises RuntimeError if the core exited."""
@@ -89,12 +96,14 @@ class CoreServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent(parent: int, socket_path: str) -> None:
     """The server that started us is gone (killed, or it never reached its exit hook): stop,
-    even while the model still loads, rather than hold its memory and device."""
+    even while the model still loads, rather than hold its memory and device, and remove the
+    private directory it would have."""
     while os.getppid() == parent:
         time.sleep(PARENT_CHECK_SECONDS)
     logger.warning("engine core: the server process is gone; exiting")
+    shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
     logging.shutdown()
     os._exit(1)
 
@@ -105,8 +114,9 @@ def main() -> None:
     logging.basicConfig(level=setup.log_level, format=_LOG_FORMAT)
     for signum in (signal.SIGINT, signal.SIGTERM):  # the fronts stop us, after their drain
         signal.signal(signum, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch",
-                     daemon=True).start()
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent, setup.address.path),
+                     name="parent-watch", daemon=True).start()
     listener = Listener(setup.address.path, "AF_UNIX", backlog=64,
                         authkey=setup.address.authkey)
     from engine.core import EngineCore  # torch: imported once the socket is there
@@ -127,3 +137,5 @@ def main() -> None:
     fronts.open(CoreReady(engine.limits, engine.gauges()))
     EngineCore(engine, fronts.receive, fronts.publish).run()
     listener.close()
+    if os.getppid() != parent:  # the workers left because the server was killed: clean up
+        shutil.rmtree(os.path.dirname(setup.address.path), ignore_errors=True)

@@ -6,9 +6,7 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -59,9 +57,17 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"batchyard: configuration error: {err}", file=sys.stderr)
         return 2
     logger.info("configuration: %s", config.describe())
-    shared = config.api_server_count > 1
-    if shared:  # before prometheus_client is imported: it picks its storage then
-        os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="batchyard-metrics-")
+    if config.engine_process:
+        passive_openmp(os.environ)
+    core = None
+    if config.api_server_count > 1:  # one core process prepares and loads for every worker
+        from engine import CoreServer
+
+        core = CoreServer(config.engine, prepare)
+        prepare = None
+        # Before prometheus_client is imported (it picks its storage then); in the core's
+        # directory, which goes with it, even if this process is killed.
+        os.environ[MULTIPROC_ENV] = core.scratch_dir("metrics")
     from handler.http.server import exit_on_engine_death, exit_on_load_failure, run_server
     from handler.http.state import ServerState
 
@@ -72,21 +78,14 @@ def run_serve(args: argparse.Namespace) -> int:
     # /metrics, so that the queue, not the thread pool, is what turns requests away (503).
     spare = config.engine.max_num_seqs + config.job_queue_size + HTTP_SPARE_THREADS
     threads = int(os.environ.get("BATCHYARD_HTTP_THREADS") or spare)
-    if config.engine_process:
-        passive_openmp(os.environ)
-    core = on_exit = None
-    if shared:  # one core process, started here, prepares and loads the model for every worker
-        from engine import CoreServer
-
-        core = CoreServer(config.engine, prepare)
-        on_exit = partial(_stop_shared, core, os.environ[MULTIPROC_ENV])
+    on_exit = core.stop if core is not None else None
+    if core is not None:
         try:
             core.wait_listening()
         except RuntimeError as err:
             logger.error("%s", err)
-            on_exit()
+            core.stop()
             return 3
-        prepare = None
     master = os.getpid()
     try:
         run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay,
@@ -99,12 +98,6 @@ def run_serve(args: argparse.Namespace) -> int:
         if on_exit is not None and os.getpid() == master:
             on_exit()
     return 0
-
-
-def _stop_shared(core, metrics_dir: str) -> None:
-    """The workers have left: the core stops after the last one; their metrics files go."""
-    core.stop()
-    shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def passive_openmp(environ) -> None:

@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,9 @@ def answering_workers(log: str) -> set[str]:
             for line in log.splitlines() if "request req-" in line}
 
 
-def core_pid(log: str) -> int:
-    return int(log.split("engine core process ")[1].split()[0].rstrip(";"))
+def core_pid_and_dir(log: str) -> tuple[int, Path]:
+    line = log.split("engine core process ")[1].splitlines()[0]
+    return int(line.split()[0]), Path(line.split(" connect to it in ")[1])
 
 
 def test_two_http_processes_share_one_core(model_dir, tmp_path) -> None:
@@ -83,8 +85,31 @@ def test_two_http_processes_share_one_core(model_dir, tmp_path) -> None:
         two.process.send_signal(signal.SIGTERM)
         assert two.process.wait(timeout=60) == 0
         assert "a serving process left (0 now)" in two.log()
+        pid, private = core_pid_and_dir(log)
         with pytest.raises(ProcessLookupError):
-            os.kill(core_pid(log), 0)
+            os.kill(pid, 0)
+        assert not private.exists()  # socket, start markers, the workers' metrics files
+
+
+def test_a_killed_server_takes_its_core_and_files_along(model_dir, tmp_path) -> None:
+    """SIGKILL runs no exit hook: the core notices its parent is gone and cleans up."""
+    with running_server(tmp_path, model_dir, PAGED + "option.api_server_count=2\n") as srv:
+        pid, private = core_pid_and_dir(srv.log())
+        assert (private / "metrics").is_dir()
+        srv.process.kill()
+        srv.process.wait(10)
+        end = time.monotonic() + 30
+        while (process_exists(pid) or private.exists()) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not process_exists(pid) and not private.exists()
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_model_py_handler_is_refused_rather_than_run_once_per_process(model_dir,
