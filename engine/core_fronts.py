@@ -126,14 +126,14 @@ class Fronts:
             for conn in self._fronts:
                 self._send(conn, None)
             return
-        mine: dict[int, list] = {id(conn): [] for conn in self._reading}
+        mine: dict[Connection, list] = {conn: [] for conn in self._reading}
         for out in update.outputs:
             conn = (self._owner.pop(out.request_id, None) if out.finish_reason is not None
                     else self._owner.get(out.request_id))
-            if conn is not None and id(conn) in mine:
-                mine[id(conn)].append(out)
+            if conn in mine:
+                mine[conn].append(out)
         for i, conn in enumerate(self._reading):
-            self._send(conn, CoreUpdate(mine[id(conn)], update.gauges,
+            self._send(conn, CoreUpdate(mine[conn], update.gauges,
                                         update.stats if i == 0 else None))
 
     def _send(self, conn: Connection, update: CoreUpdate | None) -> None:

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 
@@ -47,12 +48,44 @@ class CoreFailed:
     message: str
 
 
-class ProcessCore:
+class _CoreEnd(ABC):
+    """What a serving process holds of a core in another process: one connection that request
+    threads send on concurrently, and the core's greeting once it has loaded the model."""
+
+    def __init__(self, inbox: Connection) -> None:
+        self._inbox = inbox
+        self._send_lock = threading.Lock()
+
+    def send(self, message: CoreMessage | FrontReading) -> None:
+        with self._send_lock:
+            try:
+                self._inbox.send(message)
+            except OSError:  # the core is gone; receive() reports it
+                pass
+
+    def wait_ready(self) -> None:
+        """Block until the core has loaded its model; raises RuntimeError if it could not."""
+        first = self.receive()
+        if not isinstance(first, CoreReady):
+            reason = first.message if isinstance(first, CoreFailed) else self._why_gone()
+            raise RuntimeError(f"the engine core process did not start: {reason}")
+        self.limits, self.initial_gauges = first.limits, first.gauges
+
+    @abstractmethod
+    def receive(self) -> CoreUpdate | CoreReady | CoreFailed | None:
+        """The core's next word; None once it is gone."""
+
+    def _why_gone(self) -> str:
+        return "it exited"
+
+
+class ProcessCore(_CoreEnd):
     """Spawns the core process, which loads the model meanwhile; wait_ready() before use."""
 
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
-        inbox_end, self._inbox = context.Pipe(duplex=False)
+        inbox_end, inbox = context.Pipe(duplex=False)
+        super().__init__(inbox)
         self._outbox, outbox_end = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_core_main, name="engine-core", daemon=True,
@@ -60,27 +93,13 @@ class ProcessCore:
         self._process.start()
         inbox_end.close()  # only the child holds these now: its death reads as EOF here
         outbox_end.close()
-        self._send_lock = threading.Lock()  # request threads send concurrently
 
-    def wait_ready(self) -> None:
-        """Block until the core has loaded its model; raises RuntimeError if it could not."""
-        first = self.receive()
-        if not isinstance(first, CoreReady):
-            self.join(5)
-            reason = first.message if isinstance(first, CoreFailed) else (
-                f"it exited with code {self._process.exitcode}")
-            raise RuntimeError(f"the engine core process did not start: {reason}")
-        self.limits, self.initial_gauges = first.limits, first.gauges
+    def _why_gone(self) -> str:
+        self.join(5)
+        return f"it exited with code {self._process.exitcode}"
 
     def start(self) -> None:
         """The core steps as soon as it is ready; nothing to do."""
-
-    def send(self, message: CoreMessage) -> None:
-        with self._send_lock:
-            try:
-                self._inbox.send(message)
-            except OSError:  # the core is gone; receive() reports it
-                pass
 
     def receive(self) -> CoreUpdate | CoreReady | CoreFailed | None:
         try:
@@ -107,32 +126,17 @@ class ProcessCore:
         return True
 
 
-class RemoteCore:
+class RemoteCore(_CoreEnd):
     """A core process that serves several fronts (engine/core_server.py), seen from one."""
 
     def __init__(self, path: str, authkey: bytes) -> None:
-        self._conn = Client(path, "AF_UNIX", authkey=authkey)
-        self._send_lock = threading.Lock()  # request threads send concurrently
+        self._conn = Client(path, "AF_UNIX", authkey=authkey)  # duplex: sends and updates
+        super().__init__(self._conn)
         self._gone = threading.Event()  # the core closed our connection
-
-    def wait_ready(self) -> None:
-        """Block until the core has loaded its model; raises RuntimeError if it could not."""
-        first = self.receive()
-        if not isinstance(first, CoreReady):
-            reason = first.message if isinstance(first, CoreFailed) else "it exited"
-            raise RuntimeError(f"the engine core process did not start: {reason}")
-        self.limits, self.initial_gauges = first.limits, first.gauges
 
     def start(self) -> None:
         """The output thread reads from now on: the core may send."""
         self.send(FrontReading())
-
-    def send(self, message: CoreMessage | FrontReading) -> None:
-        with self._send_lock:
-            try:
-                self._conn.send(message)
-            except OSError:  # the core is gone; receive() reports it
-                pass
 
     def receive(self) -> CoreUpdate | CoreReady | CoreFailed | None:
         try:
