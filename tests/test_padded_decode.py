@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import SamplingParams
 from engine.decode_graphs import PaddedDecode, batch_buckets, width_buckets
@@ -155,6 +156,34 @@ def test_the_padded_forward_traces_as_one_graph(tiny) -> None:
     with torch.no_grad():
         explained = torch._dynamo.explain(padded.forward)(8, 4)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+
+class HostBorn(TorchDispatchMode):
+    """Records the tensors born from host data (torch.tensor, as_tensor of a Python value):
+    on CUDA each is a pageable host-to-device copy, which graph capture refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.births: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in ("aten::lift_fresh", "aten::lift_fresh_copy"):
+            self.births.append(str(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_padded_forward_builds_no_tensor_from_host_data(tiny) -> None:
+    """Found on an H200: Gemma scaled its embeddings by a torch.tensor(...) made per step, and
+    capture refused every graph (decode then ran eagerly). Dynamo traces such a constant
+    happily, so the trace test above cannot see it; the dispatcher can."""
+    path, _, _, _ = tiny
+    engine = make_engine(path, "paged", linear_backend="aten")
+    engine.runner.model.use_fused_cpu_ops(None)
+    padded = engine.runner.enable_padded_decode(8, MAX_MODEL_LEN)
+    host_born = HostBorn()
+    with torch.no_grad(), host_born:
+        padded.forward(8, 4)
+    assert host_born.births == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -133,13 +133,18 @@ class GemmaForCausalLM(LlamaForCausalLM):
             layer.softcap is not None for layer in self.layers)
 
     def init_rope(self) -> None:
-        """One RoPE table per layer type (Gemma 3's sliding layers have a base of their own)."""
+        """One RoPE table per layer type (Gemma 3's sliding layers have a base of their own) and the
+        embedding scale."""
         spec, device = self.spec, self.embed_tokens.weight.device
         for kind in sorted(set(layer_types(self.config))):  # (before the layers are Gemma's)
             cos, sin = rope_tables(rope_config(self.config, kind), spec.head_dim,
                                    spec.max_position_embeddings, device)
             self.register_buffer(f"rope_cos_{kind}", cos, persistent=False)
             self.register_buffer(f"rope_sin_{kind}", sin, persistent=False)
+        # float32 like transformers' (rounded to the model's dtype where it is used); made
+        # here, not per step: a tensor born in forward is a host copy CUDA graphs refuse
+        self.register_buffer("embed_scale", torch.tensor(spec.hidden_size ** 0.5, device=device),
+                             persistent=False)
 
     @staticmethod
     def unsupported(arch: str, config: dict) -> str | None:
@@ -169,7 +174,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         """input_ids, positions [N]; kv_cache: each layer's [2, slots, Hkv, D] → hidden
         [N, hidden]."""
         x = self._embed(input_ids)
-        x = x * torch.tensor(self.spec.hidden_size ** 0.5, device=x.device).to(x.dtype)
+        x = x * self.embed_scale.to(x.dtype)
         tables = {kind: (getattr(self, f"rope_cos_{kind}")[positions].to(x.dtype).unsqueeze(1),
                          getattr(self, f"rope_sin_{kind}")[positions].to(x.dtype).unsqueeze(1))
                   for kind in {layer.kind for layer in self.layers}}  # [N, 1, R] each
