@@ -48,7 +48,8 @@ def local_server(properties: Path, log_path: Path, model_dir: Path | None = None
                  ready_timeout: float = 600.0, env: dict[str, str] | None = None) -> Iterator[str]:
     """Yields the base URL of a ready server started with `properties`; stops it on exit."""
     port = free_port()
-    argv = [str(Path(sys.executable).parent / "batchyard"), "serve", "--properties",
+    # `-m`, not the console script: a GPU machine's python may hold our tree on PYTHONPATH only
+    argv = [sys.executable, "-m", "handler.cli", "serve", "--properties",
             str(properties), "--host", "127.0.0.1", "--port", str(port)]
     if model_dir is not None:
         argv += ["--model-dir", str(model_dir)]

@@ -15,7 +15,10 @@
 #   PYTHON=.venv/bin/python DEVICE=cpu PRESETS=llama-tiny OUT=/tmp/gpu-check scripts/gpu_check.sh
 # PRESETS="llama-1b llama-7b" adds a 7B-shaped model (~13 GB of random weights: ~3 more minutes;
 # then give the device call its full 600 s and run fewer tests, or run 7B in a second call).
-# CHECKS picks the parts (default "tests profile"); CHECKS=served, in a second call, serves the
+# CHECKS picks the parts (default "tests profile"; PYTEST_K narrows the tests, pytest's -k).
+# CHECKS=sweep: the README's GPU sweep (LMI workload, 32 clients, 96 requests; paged,
+# continuous, dynamic at 2 GiB of KV, then paged and continuous at 512 MiB; ~4-5 min) into
+# sweep-kv-*.json, the logs into sweep-logs.tar.gz. CHECKS=served, in a second call, serves the
 # first preset over HTTP with option.api_server_count 1 and then 2 (128 streaming clients, the
 # served-gap run's raw_client.py) and puts req/s and time to first byte in summary.txt.
 set -uo pipefail
@@ -77,7 +80,7 @@ if torch.cuda.is_available():
 # The CUDA cases the suite skips on CPU: async scheduling with and without graphs, graphs
 # captured, checked and exact per strategy, every strategy and backend against generate,
 # FlexAttention against the reference in bf16 and compiled at start-up.
-want tests && step cuda-tests 170 "$PY" -m pytest -q -rs -p no:cacheprovider \
+want tests && step cuda-tests 170 "$PY" -m pytest -q -rs -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
     "tests/test_async_scheduling.py::test_planned_ahead_on_cuda_gives_generate_greedy_tokens" \
     "tests/test_padded_decode.py::test_cuda_graphs_are_captured_checked_and_exact" \
     "tests/test_equivalence.py::test_greedy_matches_transformers_generate_on_gpu" \
@@ -138,6 +141,31 @@ if want served; then
         --tokenizer-from "$tokenizer" --dtype "$dtype" --device "$DEVICE"
     served "$model" 1
     served "$model" 2
+    rm -rf "$model"
+fi
+if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV budget for all
+    preset=${PRESETS%% *}
+    model=/tmp/gpu-check-$preset
+    rm -rf "$model" /tmp/gpu-check-sweep
+    step "model-$preset" 90 "$PY" -m handler.cli bench random-model "$model" --preset "$preset" \
+        --tokenizer-from "$tokenizer" --dtype "$dtype" --device "$DEVICE"
+    P=serving.properties.d
+    for kv in ${SWEEP_KV:-2GiB 512MiB}; do
+        files=("$P/paged.properties" "$P/continuous.properties")
+        [ "$kv" = 2GiB ] && files+=("$P/dynamic.properties")
+        step "sweep-kv-$kv" 200 "$PY" -m handler.cli bench sweep "${files[@]}" --model-dir "$model" \
+            --set "option.dtype=$dtype" --set "option.device=$DEVICE" --kv-cache-memory "$kv" \
+            -c 32 -n "${SWEEP_REQUESTS:-96}" --out "/tmp/gpu-check-sweep/kv-$kv"
+        cp "/tmp/gpu-check-sweep/kv-$kv/sweep.json" "$OUT/sweep-kv-$kv.json" 2> /dev/null
+        "$PY" - "$OUT/sweep-kv-$kv.json" "$kv" >> "$OUT/summary.txt" 2>> "$OUT/log.txt" <<'EOF'
+import json, sys
+for name, run in json.load(open(sys.argv[1])).items():
+    step_ms = 1000 * (run.get("server") or {}).get("mean_step_s", 0.0)
+    print(f"kv {sys.argv[2]} {name}: {run.get('requests_per_s', 0.0):.3f} req/s, "
+          f"{run.get('num_errors')} errors, server step {step_ms:.1f} ms")
+EOF
+    done
+    tar -czf "$OUT/sweep-logs.tar.gz" -C /tmp/gpu-check-sweep . 2> /dev/null
     rm -rf "$model"
 fi
 # The device returns at most 8 files: with several presets, the JSON profiles alone.

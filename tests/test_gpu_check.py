@@ -30,9 +30,9 @@ def test_every_test_it_runs_is_collected() -> None:
 def test_every_bench_option_it_passes_exists() -> None:
     lines = SCRIPT.read_text().replace("\\\n", " ").splitlines()
     used = {command: set(re.findall(r"(--[\w-]+)", line.split(f"bench {command}", 1)[1]))
-            for line in lines for command in ("random-model", "profile")
+            for line in lines for command in ("random-model", "profile", "sweep")
             if f"bench {command}" in line}
-    assert set(used) == {"random-model", "profile"} and all(used.values())
+    assert set(used) == {"random-model", "profile", "sweep"} and all(used.values())
     for command, flags in used.items():
         help_text = subprocess.run([sys.executable, "-m", "handler.cli", "bench", command, "-h"],
                                    capture_output=True, text=True, check=True,
@@ -54,3 +54,11 @@ def test_the_served_check_names_a_client_and_serve_options_that_exist() -> None:
     for flag in serve_flags:
         assert flag in help_text, f"batchyard serve has no {flag}"
     assert "option.api_server_count=%s" in text
+
+
+def test_the_sweep_check_names_properties_files_that_exist() -> None:
+    text = SCRIPT.read_text()
+    names = set(re.findall(r"\$P/(\w+\.properties)", text))
+    assert names == {"paged.properties", "continuous.properties", "dynamic.properties"}
+    for name in names:
+        assert (SCRIPT.parent.parent / "serving.properties.d" / name).is_file()
