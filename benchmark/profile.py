@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmark.workloads import LMI_WORKLOAD
@@ -27,9 +27,11 @@ class StepProfile:
     batch: int  # sequences in the step
     tokens: int  # tokens computed by the step
     steps: int  # steps measured
-    step_ms: float  # median wall time of a step, as served (no phase syncs)
+    step_ms: float  # median wall time of a step, as served (no syncs but the step's own)
     phases_ms: dict[str, float]  # median per phase, with syncs at phase boundaries
     device_busy_ms: float | None  # kernel time per step (CUDA only)
+    # the kernels taking most device time: name, µs and launches per step (CUDA only)
+    top_kernels: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def host_us_per_seq(self) -> float:
@@ -78,7 +80,18 @@ class ProfileRun:
             f"{self.strategy}, {self.prompt_tokens}-token prompts, tensor parallel "
             f"{self.tensor_parallel}, asynchronous scheduling "
             f"{'on' if self.async_scheduling else 'off'}; medians.\n\n"
-            + self.table() + "\n")
+            + self.table() + "\n" + self.kernels())
+
+    def kernels(self) -> str:
+        """The largest decode batch's top kernels (CUDA only), as a list."""
+        decodes = [r for r in self.rows if r.kind == "decode" and r.top_kernels]
+        if not decodes:
+            return ""
+        row = max(decodes, key=lambda r: r.batch)
+        lines = [f"- {us:.1f} µs, {calls:g} launches: `{name}`"
+                 for name, us, calls in row.top_kernels]
+        return (f"\nKernels of a decode step at batch {row.batch}, per step:\n\n"
+                + "\n".join(lines) + "\n")
 
 
 def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup: int = 3,
@@ -127,11 +140,11 @@ def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, s
         engine.step()
     decode = _phase_steps(engine, sync, is_prefill=False, count=steps)
     step_ms = _served_step_ms(engine, sync, steps)
-    busy = _device_busy_ms(engine, steps) if sync is not None else None
+    busy, kernels = _device_busy(engine, steps) if sync is not None else (None, ())
     for request_id in ids:
         engine.abort(request_id)
     return [_row("prefill", batch, prefill, None, None),
-            _row("decode", batch, decode, step_ms, busy)]
+            replace(_row("decode", batch, decode, step_ms, busy), top_kernels=kernels)]
 
 
 def _phase_steps(engine, sync: Callable[[], None] | None, *, is_prefill: bool,
@@ -157,18 +170,24 @@ def _phase_steps(engine, sync: Callable[[], None] | None, *, is_prefill: bool,
 
 
 def _served_step_ms(engine, sync: Callable[[], None] | None, steps: int) -> float:
+    """Median step time as served: no sync between steps (a step waits only for what it
+    reads, so planning ahead overlaps the device's work, as in the server)."""
     times = []
+    start = time.perf_counter()
     for _ in range(steps):
-        start = time.perf_counter()
         engine.step()
-        if sync is not None:
-            sync()
-        times.append(time.perf_counter() - start)
+        now = time.perf_counter()
+        times.append(now - start)
+        start = now
+    if sync is not None:
+        sync()
     return 1000 * statistics.median(times)
 
 
-def _device_busy_ms(engine, steps: int) -> float:
-    """Kernel time per step on CUDA, from torch.profiler, without syncs inside the steps."""
+def _device_busy(engine, steps: int, top: int = 8
+                 ) -> tuple[float, tuple[tuple[str, float, float], ...]]:
+    """Kernel time per step on CUDA, from torch.profiler, without syncs inside the steps; and
+    the `top` kernels by device time (name, µs per step, launches per step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -176,8 +195,11 @@ def _device_busy_ms(engine, steps: int) -> float:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return kernel_us / 1000 / steps
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    kernels = tuple((e.key[:120], e.self_device_time_total / steps, e.count / steps)
+                    for e in events[:top])
+    return sum(e.self_device_time_total for e in events) / 1000 / steps, kernels
 
 
 def _row(kind: str, batch: int, measured: list[tuple[int, dict[str, float]]],

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmark.cli import main as bench_main
-from benchmark.profile import run_profile
+from benchmark.profile import ProfileRun, StepProfile, run_profile
 from engine.phases import PHASES, StepPhases
 from tests.engine_harness import Req, drive, greedy, make_engine
 from tests.models_fixtures import build_tiny_model
@@ -75,3 +75,21 @@ def test_bench_profile_writes_its_table_and_json(model_dir, tmp_path, capsys, ah
 def test_bench_profile_refuses_bad_batch_sizes(capsys) -> None:
     assert bench_main(["profile", "--batch-sizes", "0"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
+
+
+def test_a_cuda_profile_lists_the_largest_decode_batchs_kernels(tmp_path) -> None:
+    """On CUDA each decode row carries torch.profiler's top kernels; the saved profile lists
+    those of the largest batch (CPU profiles carry none and list nothing)."""
+    def decode(batch, kernels):
+        return StepProfile("decode", batch, batch, 4, 3.0, {"forward": 2.0}, 2.5, kernels)
+
+    rows = [decode(1, (("gemv", 900.0, 16.0),)), decode(32, (("gemm_bf16", 1500.5, 16.0),
+                                                              ("flash_fwd", 300.0, 16.0)))]
+    ProfileRun("m", "cuda:0", "bfloat16", "paged", 9, rows).save(tmp_path)
+    text = (tmp_path / "profile.md").read_text()
+    assert "at batch 32, per step" in text and "1500.5 µs, 16 launches: `gemm_bf16`" in text
+    assert "gemv" not in text
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert data["rows"][1]["top_kernels"][1] == ["flash_fwd", 300.0, 16.0]
+    ProfileRun("m", "cpu", "float32", "paged", 9, [decode(8, ())]).save(tmp_path)
+    assert "Kernels" not in (tmp_path / "profile.md").read_text()
