@@ -1,7 +1,9 @@
-"""Decode steps padded to fixed shapes over static buffers: what a CUDA graph replays.
+"""Steps padded to fixed shapes over static buffers: what a CUDA graph replays.
 
-A pure decode step of B sequences whose contexts span W pages runs as the bucket (Bp, Wp): the
-smallest batch bucket >= B and power-of-two page width >= W. Its inputs live in static tensors
+A step of B token rows whose contexts span W pages runs as the bucket (Bp, Wp): the smallest
+batch bucket >= B and power-of-two page width >= W. A decode is one row; a prompt chunk of n
+tokens is n rows, each seeing its sequence's positions up to its own (every row's K/V is written
+before any row reads, so a chunk's tokens see each other). Inputs live in static tensors
 (fixed addresses, as graph replay needs); the B real rows are copied in and the padding rows
 point at the scratch block, the one block of the KV pool no sequence ever owns, so they write
 and read only there. Decode attention is the reference's gather + SDPA over one group, whose
@@ -35,6 +37,13 @@ logger = logging.getLogger(__name__)
 # Most KV tokens one padded step gathers (rows x width x page): bigger buckets run eagerly, so
 # the largest graph's gather buffers stay bounded (32 rows of 4,096 tokens).
 MAX_PADDED_TOKENS = 2**17
+
+
+def graph_rows(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The largest padded step, in token rows: every decode batch, and room for a short prompt
+    chunk beside a full one (twice max_num_seqs, at most 512); steps with more tokens run
+    eagerly. Graph count and capture time grow with it."""
+    return max(max_num_seqs, min(2 * max_num_seqs, 512, max_num_batched_tokens))
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -17,14 +17,15 @@ from engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
-def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_num_seqs: int,
+def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: int,
                           max_model_len: int, padded_on_cpu: bool = False) -> bool:
-    """CUDA graphs for pure decode steps unless `enforce_eager`; returns whether they are on.
-    With `padded_on_cpu`, a CPU runs the same padded buckets without graphs (CI's stand-in)."""
+    """CUDA graphs for steps of up to `max_rows` tokens (decodes, and prompt chunks as rows)
+    unless `enforce_eager`; returns whether they are on. With `padded_on_cpu`, a CPU runs the
+    same padded buckets without graphs (CI's stand-in)."""
     if runner.device.type != "cuda":
         if not padded_on_cpu or enforce_eager:
             return False
-        padded = runner.enable_padded_decode(max_num_seqs, max_model_len)
+        padded = runner.enable_padded_decode(max_rows, max_model_len)
         error = check_padded_decode(runner)
         logger.info("padded decode on CPU (no graphs): batch buckets %s; max logit difference "
                     "to eager %.3g", padded.batch_buckets, error)
@@ -32,51 +33,53 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_num_seqs
     if enforce_eager:
         logger.info("CUDA graphs off (option.enforce_eager=true): every step runs eagerly")
         return False
-    padded = runner.enable_padded_decode(max_num_seqs, max_model_len)
+    padded = runner.enable_padded_decode(max_rows, max_model_len)
     started = time.monotonic()
     try:
         count = capture_cuda_graphs(padded, runner.spec.vocab_size)
         error = check_padded_decode(runner)
     except Exception as err:  # capture unsupported here, or the graphs disagree with eager
-        logger.warning("CUDA graphs for decode are off, decode steps run eagerly: %s", err)
+        logger.warning("CUDA graphs are off, every step runs eagerly: %s", err)
         runner.padded_decode = None
         runner.kv_cache.zero_()
         return False
-    logger.info("CUDA graphs: %d decode graphs (batch buckets %s, up to %d pages of %d tokens) "
-                "captured and checked in %.1f s; max logit difference to eager %.3g", count,
+    logger.info("CUDA graphs: %d step graphs (token-row buckets %s, up to %d pages of %d "
+                "tokens) captured and checked in %.1f s; max logit difference to eager %.3g", count,
                 padded.batch_buckets, padded.width_buckets[-1], padded.page_size,
                 time.monotonic() - started, error)
     return True
 
 
 def check_padded_decode(runner: ModelRunner) -> float:
-    """Max |padded - eager| logit over a synthetic decode step of rows with different
-    contexts (a bucket with padding rows; one past a sliding window where the model has one,
-    the pool room and max_model_len allow); raises AssertionError past the dtype's tolerance.
-    Uses the empty pool's first blocks and zeroes the pool afterwards."""
+    """Max |padded - eager| logit over a synthetic step of decode rows with different
+    contexts (a bucket with padding rows; one past a sliding window where the model has one)
+    and a 3-token prompt chunk, as far as the pool room, max_model_len and the buckets allow;
+    raises AssertionError past the dtype's tolerance. Uses the empty pool's first blocks and
+    zeroes the pool afterwards."""
     padded = runner.padded_decode
     assert padded is not None, "enable_padded_decode() first"
     bs, page = runner.block_size, runner.page_size
     free = list(range(runner.scratch_slot // bs))[::-1]  # every block but the scratch one
     generator = torch.Generator().manual_seed(0)
-    seqs = []
+    seqs, scheduled = [], []
     tables = runner.layout.num_tables
-    contexts = [5, bs + 3, 3 * bs + 1]
+    rows = [(5, 1), (bs + 3, 1), (3 * bs + 1, 1), (page + 7, 3)]  # (context, tokens this step)
     windows = [w for w in runner.layout.group_windows if w is not None]
     if windows:  # a row past the narrowest window: its layers read only the window's pages
-        contexts.append(min(windows) + page + 1)
-    for ctx in contexts[:padded.batch_buckets[-1]]:
+        rows.insert(3, (min(windows) + page + 1, 1))
+    for ctx, n in rows:
         need = -(-ctx // bs)
-        if need * tables > len(free) or not padded.fits(len(seqs) + 1, -(-ctx // page)):
+        if need * tables > len(free) or not padded.fits(sum(scheduled) + n, -(-ctx // page)):
             break
         ids = torch.randint(0, runner.spec.vocab_size, (ctx,), generator=generator).tolist()
         seq = Sequence(len(seqs), ids, SamplingParams())
-        seq.num_computed_tokens = ctx - 1
+        seq.num_computed_tokens = ctx - n
         seq.block_tables = [free[k * need:(k + 1) * need] for k in range(tables)]
         free = free[need * tables:]
         seqs.append(seq)
+        scheduled.append(n)
     assert seqs, "the pool or max_model_len is too small for one decode row"
-    batch = ScheduledBatch(tuple(seqs), (1,) * len(seqs))
+    batch = ScheduledBatch(tuple(seqs), tuple(scheduled))
     cache = runner.kv_cache
     cache.normal_(generator=torch.Generator(cache.device).manual_seed(0))  # stands for context
     try:

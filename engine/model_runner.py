@@ -28,7 +28,7 @@ from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_buffer import StepBuffer
 from engine.step_metadata import StepViews, describe_step
-from engine.step_plan import StepPlan, pack_step
+from engine.step_plan import StepPlan, pack_step, token_rows
 
 
 class PlanSender(Protocol):
@@ -148,10 +148,15 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
 
-    def padded_logits(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A pure decode step through its bucket (a CUDA graph where captured) → logits
-        [S, vocab] float32, S = every row."""
-        return self.padded_decode.run(views["tokens"], views["decode"], views["decode_pages"])
+    def padded_logits(self, views: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """A step staged as token rows through its bucket (a CUDA graph where captured) →
+        logits [S, vocab] float32 of the sampled rows (None when no row samples)."""
+        logits = self.padded_decode.run(views["tokens"], views["decode"],
+                                        views["decode_pages"])  # [N, vocab]
+        rows = views["sample_rows"]  # ascending packed rows: all N of them, or a subset
+        if rows.numel() == logits.shape[0]:
+            return logits
+        return logits.index_select(0, rows) if rows.numel() else None
 
     def attention_metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
         """What attention sees for `batch` (start-up checks and tests drive backends with it)."""
@@ -164,11 +169,11 @@ class ModelRunner:
         return self._stage(plan, [batch.seqs[i] for i in plan.sampled], describe)
 
     def _padded(self, plan: StepPlan) -> bool:
-        """A pure decode step (every row one token, every row sampled) that fits a bucket."""
-        if self.padded_decode is None or plan.prefills or len(plan.sampled) != plan.num_seqs:
+        """A step whose tokens, as rows (engine/decode_graphs.py), fit a bucket."""
+        if self.padded_decode is None:
             return False
-        widest = max(ctx for _, _, ctx in plan.decodes)
-        return self.padded_decode.fits(plan.num_seqs, -(-widest // self.page_size))
+        widest = max(row[-1] for row in (*plan.decodes, *plan.prefills))  # a context length
+        return self.padded_decode.fits(len(plan.ids), -(-widest // self.page_size))
 
     def pack(self, batch: ScheduledBatch) -> StepPlan:
         """The step's integers, decided on the host (engine/step_plan.py)."""
@@ -179,16 +184,20 @@ class ModelRunner:
 
     def _stage(self, plan: StepPlan, sampling: list[Sequence] | None, describe: bool = True):
         """Write the plan (and the sampling parameters) into the step buffer, upload it once,
-        and describe it for attention (unless the padded decode path, which describes itself,
-        runs it)."""
+        and describe it for attention (unless the padded path, which describes itself, runs
+        it: then every token is staged as a decode row)."""
         buffer = self.buffer
         buffer.reset()
         # [2 + tables, N]: token ids, positions, then the slots of each block table
         buffer.put("tokens", [plan.ids, plan.positions, *plan.slots],
                    shape=(2 + len(plan.slots), len(plan.ids)))
         buffer.put("sample_rows", plan.sample_rows)
-        self._stage_decodes(plan.decodes)
-        page_spans = self._stage_prefill_pages(plan.prefills)
+        page_spans: list[tuple[int, int]] = []
+        if describe:
+            self._stage_decodes(plan.decodes)
+            page_spans = self._stage_prefill_pages(plan.prefills)
+        else:  # the padded path: every token a row, a prompt chunk's as its own decode rows
+            self._stage_decodes(token_rows(plan))
         sampler_plan = self.sampler.stage(sampling, buffer) if sampling else None
         if plan.carried:
             buffer.put("carried", [[dst for dst, _ in plan.carried],

@@ -13,6 +13,7 @@ import torch
 from engine.attention.check import prepare_attention
 from engine.attention.select import select_attention_backend
 from engine.config import EngineConfig
+from engine.decode_graphs import graph_rows
 from engine.decode_graphs_setup import prepare_decode_graphs
 from engine.kv.budget import KVPlan, default_budget_bytes, plan_kv
 from engine.kv.layout import kv_layout
@@ -70,8 +71,8 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
                     layout.num_tensors, "/".join(str(w) for w in layout.group_windows))
     runner = ModelRunner(model, spec, device, dtype, kv.num_blocks, kv.block_size,
                          select_attention_backend(config.attention_backend, device), layout)
-    prepare_attention(runner, config.attention_backend, config.max_num_seqs,
-                      config.max_num_batched_tokens or config.max_num_seqs * max_model_len)
+    step_tokens = config.max_num_batched_tokens or config.max_num_seqs * max_model_len
+    prepare_attention(runner, config.attention_backend, config.max_num_seqs, step_tokens)
     if hasattr(model, "use_fused_cpu_ops"):
         ops = fused_ops_for(model, dtype, runner.attention.name)
         model.use_fused_cpu_ops(ops)
@@ -79,7 +80,7 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     if hasattr(model, "use_dense_moe_decode"):  # expert models: graph-safe decode on GPUs
         model.use_dense_moe_decode(device.type == "cuda" or config.padded_decode_on_cpu)
     eager = config.enforce_eager or not getattr(model, "graph_safe", True)
-    graphs = prepare_decode_graphs(runner, eager, config.max_num_seqs,
+    graphs = prepare_decode_graphs(runner, eager, graph_rows(config.max_num_seqs, step_tokens),
                                    max_model_len, config.padded_decode_on_cpu)
     # a collective, so every rank asks, whatever its own answer
     if comm is not None and not comm.agree_all(graphs) and graphs:

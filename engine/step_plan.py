@@ -68,6 +68,19 @@ def pack_step(batch: ScheduledBatch, block_size: int, last_sampled: dict[int, in
                     sampled, tuple(carried))
 
 
+def token_rows(plan: StepPlan) -> list[tuple[int, list[list[int]], int]]:
+    """Every packed token as a decode row (packed row, block tables, context), in packed order:
+    a prompt chunk's token at position p is a row with context p + 1. What the padded step
+    runs: a chunk's rows see each other because every row's K/V is written before any reads."""
+    if not plan.prefills:
+        return plan.decodes
+    rows = list(plan.decodes)
+    for row, n, tables, ctx in plan.prefills:
+        rows += [(row + j, tables, ctx - n + j + 1) for j in range(n)]
+    rows.sort(key=lambda r: r[0])
+    return rows
+
+
 def _carried_row(seq: Sequence, last_sampled: dict[int, int]) -> int:
     """Where the previous launch sampled `seq`'s pending input (only that one can be pending)."""
     if seq.num_pending != 1 or seq.seq_id not in last_sampled:

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import SamplingParams
-from engine.decode_graphs import PaddedDecode, batch_buckets, width_buckets
+from engine.decode_graphs import PaddedDecode, batch_buckets, graph_rows, width_buckets
 from engine.decode_graphs_setup import check_padded_decode, prepare_decode_graphs
 from engine.kv.layout import shared_layout
 from tests.engine_harness import (
@@ -44,7 +44,10 @@ def tiny(request, tmp_path_factory):
 
 def padded_engine(path, batching: str, **overrides):
     engine = make_engine(path, batching, **overrides)
-    padded = engine.runner.enable_padded_decode(engine.config.max_num_seqs, MAX_MODEL_LEN)
+    config = engine.config
+    rows = graph_rows(config.max_num_seqs,  # as the engine sizes it on CUDA
+                      config.max_num_batched_tokens or config.max_num_seqs * MAX_MODEL_LEN)
+    padded = engine.runner.enable_padded_decode(rows, MAX_MODEL_LEN)
     calls = []
     run = padded.run
     padded.run = lambda *args: calls.append(args[2].shape[1:]) or run(*args)  # (B, W)
@@ -84,28 +87,72 @@ def test_padded_decode_equals_the_plain_path_for_sampled_rows(tiny, batching) ->
     assert [r.tokens for r in padded] == [r.tokens for r in plain] and calls
 
 
+@pytest.mark.parametrize("batching", ["continuous", "paged"])
+def test_prompt_chunks_run_as_padded_rows_and_equal_transformers(tiny, batching) -> None:
+    """Steps that carry prompt tokens run padded too, each token a row: beside decodes, and
+    (paged, 8-token steps) as a chunk that samples nothing yet; past the largest bucket,
+    eagerly. (A one-token prompt packs as a decode row: the first step is already mixed.)"""
+    path, prompts, new_tokens, refs = tiny
+    chunked = {"max_num_batched_tokens": 8} if batching == "paged" else {}  # 8 rows at most
+    engine, calls = padded_engine(path, batching, **chunked)
+    runner, kinds = engine.runner, set()
+    choose = runner._padded
+
+    def spy(plan):
+        taken = choose(plan)
+        if plan.prefills:
+            unsampled = any(row + n - 1 not in plan.sample_rows for row, n, _, _ in plan.prefills)
+            kinds.add(("mixed" if plan.decodes else "prompts",
+                       "partial" if unsampled else "sampling", taken))
+        return taken
+    runner._padded = spy
+    reqs = requests(prompts, new_tokens)
+    drive(engine, reqs)
+    assert [r.tokens for r in reqs] == refs
+    assert ("mixed", "sampling", True) in kinds, kinds
+    if batching == "paged":
+        assert ("mixed", "partial", True) in kinds, kinds
+    else:  # the 33-token prompt at once: more rows than the largest bucket (8), eager
+        assert ("mixed", "sampling", False) in kinds, kinds
+
+
+def test_a_step_of_prompt_chunks_alone_samples_nothing_and_runs_padded(tiny) -> None:
+    path, prompts, new_tokens, refs = tiny
+    engine, calls = padded_engine(path, "paged", max_num_batched_tokens=8)
+    engine.add_request("long", prompts[3], greedy(new_tokens[3]))  # 33 tokens: 5 steps
+    out = []
+    for _ in range(4):  # chunks of 8: nothing sampled yet
+        assert engine.step() == []
+    assert calls == [(8, 1), (8, 1), (8, 2), (8, 2)]
+    while engine.has_unfinished():
+        out += [e.token_id for e in engine.step() if e.token_id is not None]
+    assert out == refs[3]
+
+
 def test_padding_rows_write_only_the_scratch_block_and_buffers_stay_put(tiny) -> None:
     path, _, _, _ = tiny
     engine, calls = padded_engine(path, "paged", max_num_seqs=8)
-    for i in range(3):  # 3 rows: bucket 4, one padding row
+    for i in range(3):  # prompts: 9 rows, bucket 16; then decodes: 3 rows, bucket 4
         engine.add_request(f"r{i}", [5, 6, 7 + i], greedy(10))
-    engine.step()  # the prompts
     padded, runner = engine.runner.padded_decode, engine.runner
     pointers = {(padded.inputs.data_ptr(), padded.pages.data_ptr())}
     scratch = []
-    for _ in range(4):
+    for step in range(5):
         before = runner.kv_cache.clone()
-        slots = [t[s.num_computed_tokens // 16] * 16 + s.num_computed_tokens % 16
-                 for s in engine.scheduler.running for t in s.block_tables]
         engine.step()
+        seqs = engine.scheduler.running
+        new = [range(3)] * 3 if step == 0 else [[s.num_computed_tokens - 1] for s in seqs]
+        slots = [t[p // 16] * 16 + p % 16
+                 for s, positions in zip(seqs, new, strict=True) for p in positions
+                 for t in s.block_tables]
         changed = (runner.kv_cache != before).flatten(3).any(-1).any(0).any(0)  # [slots]
         written = set(changed.nonzero().flatten().tolist())
         assert written <= {*slots, runner.scratch_slot} and set(slots) <= written
         scratch.append(runner.scratch_slot in written)
         pointers.add((padded.inputs.data_ptr(), padded.pages.data_ptr()))
     # Padding rows write the same key and value each step: the slot changes the first time.
-    assert scratch == [True, False, False, False], scratch
-    assert len(pointers) == 1 and calls[-1] == (3, 1)
+    assert scratch == [True, False, False, False, False], scratch
+    assert len(pointers) == 1 and calls[0] == (9, 1) and calls[-1] == (3, 1)
 
 
 def test_windowed_layers_read_only_the_pages_their_window_spans() -> None:
