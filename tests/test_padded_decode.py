@@ -3,6 +3,7 @@ CUDA graphs replay, run eagerly here and compared with the plain path (#17 item 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -40,6 +41,11 @@ def tiny(request, tmp_path_factory):
     new_tokens = [12, 30, 16, 7, 40]
     refs = [hf_greedy(model, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
     return path, prompts, new_tokens, refs
+
+
+def layer_types_of(path) -> list[str]:
+    config = json.loads((path / "config.json").read_text())
+    return config.get("layer_types") or config.get("text_config", {}).get("layer_types") or []
 
 
 def padded_engine(path, batching: str, **overrides):
@@ -114,6 +120,29 @@ def test_prompt_chunks_run_as_padded_rows_and_equal_transformers(tiny, batching)
         assert ("mixed", "partial", True) in kinds, kinds
     else:  # the 33-token prompt at once: more rows than the largest bucket (8), eager
         assert ("mixed", "sampling", False) in kinds, kinds
+
+
+def test_prefix_cache_hits_and_preemption_recomputes_run_padded_as_plain(tiny) -> None:
+    """Chunks that start after cached blocks, and prompts recomputed after a preemption, run
+    as padded rows and give the plain path's tokens (4-token blocks, 8-token steps, a pool
+    too small for every sequence)."""
+    path, _, _, _ = tiny
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 300) for _ in range(9)]
+    prompts = [shared + [rng.randrange(3, 300) for _ in range(n)] for n in (2, 14, 5)]
+    prompts.append([rng.randrange(3, 300) for _ in range(21)])
+    hybrid = len(set(layer_types_of(path))) > 1
+    options = {"block_size": 4, "max_num_batched_tokens": 8, "enable_prefix_caching": True,
+               "num_kv_blocks": 24 if hybrid else 12}
+    runs = {}
+    for name in ("plain", "padded"):
+        engine, calls = (padded_engine(path, "paged", **options) if name == "padded"
+                         else (make_engine(path, "paged", **options), []))
+        reqs = [Req(f"r{i}", p, greedy(16), 2 * i) for i, p in enumerate(prompts)]
+        drive(engine, reqs)
+        assert engine.scheduler.num_preemptions > 0 and engine.scheduler.allocator.prefix_hits
+        runs[name] = [r.tokens for r in reqs]
+    assert runs["padded"] == runs["plain"] and calls
 
 
 def test_a_step_of_prompt_chunks_alone_samples_nothing_and_runs_padded(tiny) -> None:
