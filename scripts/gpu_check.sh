@@ -10,6 +10,8 @@
 #                                    tokenizer, into .gpu-carry/ (git-ignored, ~24 MB)
 #   device run: command "scripts/gpu_check.sh", carry [".gpu-carry"], timeout_s 560
 #   (the steps' limits add up to ~490 s, so the verdicts at the end always come back)
+# Seen on an H200 (2026-11-26): tests 119 s, profiles 28 + 21 s, sweep 190 s, served 107 s (each
+# with ~15 s of set-up), so CHECKS="tests profile sweep" fits one 560 s call.
 #
 # Rehearse on CPU (the CUDA tests skip, the profile runs a tiny model):
 #   PYTHON=.venv/bin/python DEVICE=cpu PRESETS=llama-tiny OUT=/tmp/gpu-check scripts/gpu_check.sh
