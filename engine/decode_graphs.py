@@ -70,8 +70,10 @@ class PaddedDecode:
     """Static inputs for every bucket, and the padded forward that a graph captures."""
 
     def __init__(self, model, layer_caches: Sequence[torch.Tensor], layout: KVLayout,
-                 scratch_slot: int, page_size: int, max_batch: int, max_pages: int) -> None:
+                 scratch_slot: int, page_size: int, max_batch: int, max_pages: int,
+                 prompt_rows: bool = True) -> None:
         self.model = model
+        self.prompt_rows = prompt_rows  # whether steps with prompt tokens run padded too
         self.layer_caches = layer_caches  # each layer's [2, slots, Hkv, D]
         self.layout = layout
         self.page_size = page_size
@@ -93,7 +95,7 @@ class PaddedDecode:
         self.page_steps = torch.arange(max_pages, device=device)  # [max_pages]
         self.in_page = torch.arange(page_size, device=device)  # [page_size]
         self.attention = ReferenceAttention()
-        self.steps = 0  # decode steps run padded (tests check the path was taken)
+        self.steps = 0  # steps run padded (tests check the path was taken)
         self.graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
 
     def bucket(self, batch_size: int, width: int) -> tuple[int, int] | None:

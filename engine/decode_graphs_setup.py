@@ -18,14 +18,15 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: int,
-                          max_model_len: int, padded_on_cpu: bool = False) -> bool:
-    """CUDA graphs for steps of up to `max_rows` tokens (decodes, and prompt chunks as rows)
-    unless `enforce_eager`; returns whether they are on. With `padded_on_cpu`, a CPU runs the
-    same padded buckets without graphs (CI's stand-in)."""
+                          max_model_len: int, padded_on_cpu: bool = False,
+                          prompt_rows: bool = True) -> bool:
+    """CUDA graphs for steps of up to `max_rows` tokens (decodes, and prompt chunks as rows
+    where `prompt_rows`) unless `enforce_eager`; returns whether they are on. With
+    `padded_on_cpu`, a CPU runs the same padded buckets without graphs (CI's stand-in)."""
     if runner.device.type != "cuda":
         if not padded_on_cpu or enforce_eager:
             return False
-        padded = runner.enable_padded_decode(max_rows, max_model_len)
+        padded = runner.enable_padded_decode(max_rows, max_model_len, prompt_rows)
         error = check_padded_decode(runner)
         logger.info("padded decode on CPU (no graphs): batch buckets %s; max logit difference "
                     "to eager %.3g", padded.batch_buckets, error)
@@ -33,7 +34,7 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     if enforce_eager:
         logger.info("CUDA graphs off (option.enforce_eager=true): every step runs eagerly")
         return False
-    padded = runner.enable_padded_decode(max_rows, max_model_len)
+    padded = runner.enable_padded_decode(max_rows, max_model_len, prompt_rows)
     started = time.monotonic()
     try:
         count = capture_cuda_graphs(padded, runner.spec.vocab_size)
@@ -63,14 +64,18 @@ def check_padded_decode(runner: ModelRunner) -> float:
     generator = torch.Generator().manual_seed(0)
     seqs, scheduled = [], []
     tables = runner.layout.num_tables
-    rows = [(5, 1), (bs + 3, 1), (3 * bs + 1, 1), (page + 7, 3)]  # (context, tokens this step)
+    rows = [(5, 1), (bs + 3, 1), (3 * bs + 1, 1)]  # (context, tokens this step)
     windows = [w for w in runner.layout.group_windows if w is not None]
     if windows:  # a row past the narrowest window: its layers read only the window's pages
-        rows.insert(3, (min(windows) + page + 1, 1))
+        rows.append((min(windows) + page + 1, 1))
+    if padded.prompt_rows:
+        rows.append((page + 7, 3))
+    widest = 0
     for ctx, n in rows:
-        need = -(-ctx // bs)
-        if need * tables > len(free) or not padded.fits(sum(scheduled) + n, -(-ctx // page)):
-            break
+        need, pages = -(-ctx // bs), max(widest, -(-ctx // page))
+        if need * tables > len(free) or not padded.fits(sum(scheduled) + n, pages):
+            continue
+        widest = pages
         ids = torch.randint(0, runner.spec.vocab_size, (ctx,), generator=generator).tolist()
         seq = Sequence(len(seqs), ids, SamplingParams())
         seq.num_computed_tokens = ctx - n
@@ -81,11 +86,18 @@ def check_padded_decode(runner: ModelRunner) -> float:
     assert seqs, "the pool or max_model_len is too small for one decode row"
     batch = ScheduledBatch(tuple(seqs), tuple(scheduled))
     cache = runner.kv_cache
-    cache.normal_(generator=torch.Generator(cache.device).manual_seed(0))  # stands for context
+
+    def fill() -> None:
+        """Random KV for the rows' context; refilled before the padded pass, so a chunk's
+        last row must read what that pass itself wrote for the chunk's other tokens."""
+        cache.normal_(generator=torch.Generator(cache.device).manual_seed(0))
+
     try:
         with torch.inference_mode():
+            fill()
             views, meta, _ = runner.stage(batch)
             eager = runner.eager_logits(views, meta, list(range(len(seqs))))
+            fill()
             graphed = runner.padded_logits(runner.stage(batch, describe=False)[0])
             error = (graphed - eager).abs().max().item()
     finally:

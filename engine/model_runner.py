@@ -85,13 +85,15 @@ class ModelRunner:
         # input is still pending reads it from there, on the device.
         self._carry: tuple[SampledRows, dict[int, int]] | None = None
 
-    def enable_padded_decode(self, max_batch: int, max_model_len: int) -> PaddedDecode:
-        """Run pure decode steps padded to batch and width buckets over static buffers (what CUDA
-        graphs replay; engine/decode_graphs.py)."""
+    def enable_padded_decode(self, max_rows: int, max_model_len: int,
+                             prompt_rows: bool = True) -> PaddedDecode:
+        """Run steps of up to `max_rows` tokens padded to row and width buckets over static
+        buffers (what CUDA graphs replay; engine/decode_graphs.py): pure decode steps, and
+        steps with prompt tokens too where `prompt_rows`."""
         max_pages = -(-max_model_len // self.page_size)
         self.padded_decode = PaddedDecode(self.model, self.layer_caches, self.layout,
-                                          self.scratch_slot, self.page_size, max_batch,
-                                          max_pages)
+                                          self.scratch_slot, self.page_size, max_rows,
+                                          max_pages, prompt_rows)
         return self.padded_decode
 
     @property
@@ -170,7 +172,7 @@ class ModelRunner:
 
     def _padded(self, plan: StepPlan) -> bool:
         """A step whose tokens, as rows (engine/decode_graphs.py), fit a bucket."""
-        if self.padded_decode is None:
+        if self.padded_decode is None or (plan.prefills and not self.padded_decode.prompt_rows):
             return False
         widest = max(row[-1] for row in (*plan.decodes, *plan.prefills))  # a context length
         return self.padded_decode.fits(len(plan.ids), -(-widest // self.page_size))

@@ -80,8 +80,10 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     if hasattr(model, "use_dense_moe_decode"):  # expert models: graph-safe decode on GPUs
         model.use_dense_moe_decode(device.type == "cuda" or config.padded_decode_on_cpu)
     eager = config.enforce_eager or not getattr(model, "graph_safe", True)
-    graphs = prepare_decode_graphs(runner, eager, graph_rows(config.max_num_seqs, step_tokens),
-                                   max_model_len, config.padded_decode_on_cpu)
+    prompt_rows = getattr(model, "pads_prompt_rows", True)
+    rows = graph_rows(config.max_num_seqs, step_tokens) if prompt_rows else config.max_num_seqs
+    graphs = prepare_decode_graphs(runner, eager, rows, max_model_len,
+                                   config.padded_decode_on_cpu, prompt_rows)
     # a collective, so every rank asks, whatever its own answer
     if comm is not None and not comm.agree_all(graphs) and graphs:
         logger.warning("CUDA graphs off: another tensor-parallel rank could not use them")

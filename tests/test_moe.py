@@ -41,9 +41,15 @@ def test_dense_decode_runs_the_graph_path_and_equals_generate(tmp_path, arch) ->
     padded = engine.runner.padded_decode
     assert padded is not None and engine.runner.model.graph_safe
     assert not engine.runner.model.syncs_host
+    # prompt tokens stay off the padded path: there they would run every expert densely
+    assert not padded.prompt_rows and padded.batch_buckets[-1] == engine.config.max_num_seqs
+    runner, prompt_steps = engine.runner, []
+    choose = runner._padded
+    runner._padded = lambda plan: (prompt_steps.append(choose(plan)) if plan.prefills
+                                   else None) or choose(plan)
     reqs = [Req(f"r{i}", p, greedy(12), i) for i, p in enumerate(prompts)]
     drive(engine, reqs)
-    assert padded.steps > 0
+    assert padded.steps > 0 and prompt_steps and not any(prompt_steps)
     assert [r.tokens for r in reqs] == refs
 
 

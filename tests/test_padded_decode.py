@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine import SamplingParams
+from engine import SamplingParams, model_runner
 from engine.decode_graphs import PaddedDecode, batch_buckets, graph_rows, width_buckets
 from engine.decode_graphs_setup import check_padded_decode, prepare_decode_graphs
 from engine.kv.layout import shared_layout
+from engine.step_plan import token_rows
 from tests.engine_harness import (
     MAX_MODEL_LEN,
     Req,
@@ -78,8 +79,8 @@ def test_padded_decode_equals_transformers_in_every_strategy(tiny, batching) -> 
     drive(engine, reqs)
     assert [r.tokens for r in reqs] == refs
     assert calls, "no step took the padded path"
-    if batching != "none":  # batches of 3 and 5 rows ran padded to buckets 4 and 8
-        assert {rows for rows, _ in calls} - {1, 2, 4}
+    if batching != "none":  # steps of 3 rows ran padded (bucket 4, one padding row)
+        assert 3 in {rows for rows, _ in calls}
 
 
 @pytest.mark.parametrize("batching", ["continuous", "paged"])
@@ -211,13 +212,44 @@ def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty
     path, _, _, _ = tiny
     engine = make_engine(path, "paged")
     runner = engine.runner
-    assert not prepare_decode_graphs(runner, False, 4, MAX_MODEL_LEN)  # CPU: no graphs
+    assert not prepare_decode_graphs(runner, False, 8, MAX_MODEL_LEN)  # CPU: no graphs
     assert runner.padded_decode is None
-    runner.enable_padded_decode(4, MAX_MODEL_LEN)
+    padded = runner.enable_padded_decode(8, MAX_MODEL_LEN)
+    rows = []
+    run = padded.run
+    padded.run = lambda *args: rows.append(args[2].shape[1]) or run(*args)
     assert check_padded_decode(runner) < 1e-3
     assert not runner.kv_cache.any()
-    broken = runner.padded_decode.forward
-    runner.padded_decode.forward = lambda b, w: broken(b, w) + 1.0  # a graph that disagrees
+    windowed = any(w is not None for w in runner.layout.group_windows)  # one row past it
+    assert rows == [3 + windowed + 3]  # 3 decode rows (+1), a 3-token prompt chunk
+    broken = padded.forward
+    padded.forward = lambda b, w: broken(b, w) + 1.0  # a graph that disagrees
+    with pytest.raises(AssertionError, match="padded decode differs from eager"):
+        check_padded_decode(runner)
+
+
+def test_the_start_up_check_catches_chunk_rows_that_miss_each_other(tiny, monkeypatch) -> None:
+    path, _, _, _ = tiny
+    runner = make_engine(path, "paged").runner
+    runner.enable_padded_decode(8, MAX_MODEL_LEN)
+
+    def blind(plan):  # each chunk token sees up to the position before its own
+        rows = token_rows(plan)
+        chunk = {row + j for row, n, _, _ in plan.prefills for j in range(n)}
+        return [(row, tables, ctx - (row in chunk)) for row, tables, ctx in rows]
+    monkeypatch.setattr(model_runner, "token_rows", blind)
+    with pytest.raises(AssertionError, match="padded decode differs from eager"):
+        check_padded_decode(runner)
+    monkeypatch.undo()
+    padded = runner.padded_decode
+    stage = padded.stage
+
+    def unwritten(tokens, *rest):  # the chunk's first two tokens write only the scratch slot
+        tokens = tokens.clone()
+        tokens[2:, -3:-1] = runner.scratch_slot  # (the chunk is the step's last 3 rows)
+        stage(tokens, *rest)
+    padded.stage = unwritten
+    # caught only because the pool is refilled between the eager and the padded pass
     with pytest.raises(AssertionError, match="padded decode differs from eager"):
         check_padded_decode(runner)
 

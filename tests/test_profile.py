@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmark.cli import main as bench_main
-from benchmark.profile import ProfileRun, StepProfile, run_profile
+from benchmark.profile import ProfileRun, StepProfile, kernel_time, run_profile
 from engine.phases import PHASES, StepPhases
 from tests.engine_harness import Req, drive, greedy, make_engine
 from tests.models_fixtures import build_tiny_model
@@ -93,3 +93,19 @@ def test_a_cuda_profile_lists_the_largest_decode_batchs_kernels(tmp_path) -> Non
     assert data["rows"][1]["top_kernels"][1] == ["flash_fwd", 300.0, 16.0]
     ProfileRun("m", "cpu", "float32", "paged", 9, [decode(8, ())]).save(tmp_path)
     assert "Kernels" not in (tmp_path / "profile.md").read_text()
+
+
+def test_device_busy_counts_each_kernel_once() -> None:
+    """A host op's self device time repeats the kernels it launched: only device events count."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(key, device, us, count=4):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us,
+                               count=count)
+    events = [event("aten::mm", DeviceType.CPU, 800.0), event("gemm", DeviceType.CUDA, 800.0),
+              event("cudaGraphLaunch", DeviceType.CPU, 0.0), event("argmax", DeviceType.CUDA,
+                                                                     40.0, 8)]
+    busy_ms, top = kernel_time(events, DeviceType.CUDA, steps=4, top=1)
+    assert busy_ms == pytest.approx(0.21) and top == (("gemm", 200.0, 1.0),)

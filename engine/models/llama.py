@@ -171,6 +171,9 @@ class LlamaForCausalLM(nn.Module):
         # use_dense_moe_decode(True)
         self.syncs_host = moe is not None
         self.graph_safe = not self.syncs_host
+        # whether a step's rows are worth padding when they include prompt tokens: a dense
+        # expert decode runs every expert on every row (E / top_k times the routed work)
+        self.pads_prompt_rows = moe is None
         shard.check(spec.num_heads, spec.num_kv_heads, inter)
         if moe is not None and moe.shared_inter:
             shard.check(spec.num_heads, spec.num_kv_heads, moe.shared_inter)
