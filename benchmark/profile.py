@@ -187,19 +187,28 @@ def _served_step_ms(engine, sync: Callable[[], None] | None, steps: int) -> floa
 def _device_busy(engine, steps: int, top: int = 8
                  ) -> tuple[float, tuple[tuple[str, float, float], ...]]:
     """Kernel time per step on CUDA, from torch.profiler, without syncs inside the steps; and
-    the `top` kernels by device time (name, µs per step, launches per step)."""
+    the `top` kernels by device time (name, µs per step, launches per step). Device events
+    only: a host-side event's self device time repeats its kernels' (as torch's own table
+    sums it; before 2026-11-26 this summed both, so it may have counted kernels twice)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    kernels = tuple((e.key[:120], e.self_device_time_total / steps, e.count / steps)
-                    for e in events[:top])
-    return sum(e.self_device_time_total for e in events) / 1000 / steps, kernels
+    return kernel_time(prof.key_averages(), DeviceType.CUDA, steps, top)
+
+
+def kernel_time(events, device_type, steps: int, top: int = 8
+                ) -> tuple[float, tuple[tuple[str, float, float], ...]]:
+    """(ms per step, top kernels) from profiler averages, counting `device_type` events only."""
+    kernels = [e for e in events if e.device_type == device_type and e.self_device_time_total]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    listed = tuple((e.key[:120], e.self_device_time_total / steps, e.count / steps)
+                   for e in kernels[:top])
+    return sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed
 
 
 def _row(kind: str, batch: int, measured: list[tuple[int, dict[str, float]]],
