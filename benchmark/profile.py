@@ -5,7 +5,8 @@ Each batch size gets its own requests: the prefill steps that admit them, then d
 measured twice. Once with a phase clock that (on CUDA) synchronizes at every phase boundary, so
 each phase owns its device work: that gives the split. Once without, as served: that gives the
 step time, and on CUDA the device-busy time per step (torch.profiler's kernel time), whose
-ratio to the step is how host-bound the step is.
+ratio to the step is how host-bound the step is. Then "mixed" steps: one new prompt admitted
+beside the batch's decodes, the step continuous and paged batching take at every arrival.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from engine.phases import PHASES, NoPhases, StepPhases
 
 @dataclass(frozen=True)
 class StepProfile:
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "mixed" (one new prompt beside the running decodes)
     batch: int  # sequences in the step
     tokens: int  # tokens computed by the step
     steps: int  # steps measured
@@ -103,14 +104,14 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
 
     from engine import EngineConfig, LLMEngine
 
-    new_tokens = warmup + 3 * steps + 2  # decode steps for both passes and the profiler's
+    new_tokens = warmup + 4 * steps + 2  # decode steps: both passes, the profiler's, the mixed
     prompt_ids = AutoTokenizer.from_pretrained(model_dir, local_files_only=True).encode(prompt)
     # Whole blocks per sequence, so the pool (max_num_seqs x max_model_len tokens) holds
     # every sequence at once: no preemption distorts the figures.
     block_size = 16
     max_model_len = -(-(len(prompt_ids) + new_tokens + 1) // block_size) * block_size
     config = EngineConfig(model=str(model_dir), batching=strategy, dtype=dtype, device=device,
-                          max_num_seqs=max(batch_sizes), max_model_len=max_model_len,
+                          max_num_seqs=max(batch_sizes) + 1, max_model_len=max_model_len,
                           block_size=block_size, tensor_parallel_size=tensor_parallel,
                           async_scheduling=async_scheduling)
     engine = LLMEngine.from_config(config)
@@ -141,10 +142,34 @@ def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, s
     decode = _phase_steps(engine, sync, is_prefill=False, count=steps)
     step_ms = _served_step_ms(engine, sync, steps)
     busy, kernels = _device_busy(engine, steps) if sync is not None else (None, ())
+    mixed = _mixed_steps(engine, prompt_ids, params, sync, steps)
     for request_id in ids:
         engine.abort(request_id)
     return [_row("prefill", batch, prefill, None, None),
-            replace(_row("decode", batch, decode, step_ms, busy), top_kernels=kernels)]
+            replace(_row("decode", batch, decode, step_ms, busy), top_kernels=kernels),
+            _row("mixed", batch + 1, mixed, None, None)]
+
+
+def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None] | None,
+                 count: int) -> list[tuple[int, dict[str, float]]]:
+    """The step continuous and paged batching take at each arrival: one new prompt beside the
+    running decodes, `count` times (each new request is aborted after its step)."""
+    phases = StepPhases(sync)
+    engine.measure_phases(phases)
+    measured = []
+    try:
+        for i in range(count):
+            engine.add_request(f"mixed-{i}", prompt_ids, params)
+            engine.step()
+            batch = engine.last_batch
+            assert batch is not None and batch.num_prefill_tokens == len(prompt_ids), \
+                "the new prompt was not admitted beside the decodes"
+            measured.append((batch.num_prefill_tokens + batch.num_decode_tokens,
+                             dict(phases.seconds)))
+            engine.abort(f"mixed-{i}")
+    finally:
+        engine.measure_phases(NoPhases())
+    return measured
 
 
 def _phase_steps(engine, sync: Callable[[], None] | None, *, is_prefill: bool,

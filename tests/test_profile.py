@@ -45,10 +45,12 @@ def test_measuring_phases_does_not_change_the_tokens(model_dir) -> None:
 def test_profile_reports_prefill_and_decode_per_batch_size(model_dir) -> None:
     run = run_profile(model_dir, [1, 3], steps=2, warmup=1, dtype="float32", device="cpu")
     assert [(r.kind, r.batch) for r in run.rows] == [
-        ("prefill", 1), ("decode", 1), ("prefill", 3), ("decode", 3)]
+        ("prefill", 1), ("decode", 1), ("mixed", 2), ("prefill", 3), ("decode", 3), ("mixed", 4)]
     decode = [r for r in run.rows if r.kind == "decode"]
     assert [r.tokens for r in decode] == [1, 3] and all(r.steps == 2 for r in decode)
-    assert run.rows[2].tokens == 3 * run.prompt_tokens  # three prompts in one prefill step
+    assert run.rows[3].tokens == 3 * run.prompt_tokens  # three prompts in one prefill step
+    mixed = [r for r in run.rows if r.kind == "mixed"]  # a new prompt beside the decodes
+    assert [r.tokens for r in mixed] == [run.prompt_tokens + 1, run.prompt_tokens + 3]
     for row in run.rows:
         assert set(row.phases_ms) == set(PHASES) and row.phases_ms["forward"] > 0
         assert row.host_us_per_seq > 0 and row.device_busy_ms is None  # no CUDA here
@@ -65,7 +67,7 @@ def test_bench_profile_writes_its_table_and_json(model_dir, tmp_path, capsys, ah
     assert code == 0
     assert "| decode | 2 | 2 |" in capsys.readouterr().out
     data = json.loads((tmp_path / "profile.json").read_text())
-    assert [r["kind"] for r in data["rows"]] == ["prefill", "decode"]
+    assert [r["kind"] for r in data["rows"]] == ["prefill", "decode", "mixed"]
     assert data["async_scheduling"] is (ahead == "true")
     text = (tmp_path / "profile.md").read_text()
     assert "host us/seq | core us/seq" in text and "core_us_per_seq" in data["rows"][1]
