@@ -71,9 +71,12 @@ class PaddedDecode:
 
     def __init__(self, model, layer_caches: Sequence[torch.Tensor], layout: KVLayout,
                  scratch_slot: int, page_size: int, max_batch: int, max_pages: int,
-                 prompt_rows: bool = True) -> None:
+                 prompt_rows: bool = True, max_sampled: int | None = None) -> None:
         self.model = model
         self.prompt_rows = prompt_rows  # whether steps with prompt tokens run padded too
+        # rows whose logits a step computes: one per sequence at most (max_num_seqs), however
+        # many prompt rows the step has; padded with row 0
+        self.max_sampled = max_sampled or max_batch
         self.layer_caches = layer_caches  # each layer's [2, slots, Hkv, D]
         self.layout = layout
         self.page_size = page_size
@@ -91,6 +94,8 @@ class PaddedDecode:
         # [tables, max_batch, max_pages]: each row's pages, padded with the scratch page
         self.pages = torch.full((tables, max_batch, max_pages), self.scratch_page, device=device)
         self.rows = torch.arange(max_batch, device=device)  # [max_batch]
+        self.sample_index = torch.zeros(self.max_sampled, dtype=torch.long,
+                                        device=device)  # [max_sampled]
         self.positions = torch.arange(max_pages * page_size, device=device)  # [T]
         self.page_steps = torch.arange(max_pages, device=device)  # [max_pages]
         self.in_page = torch.arange(page_size, device=device)  # [page_size]
@@ -109,18 +114,22 @@ class PaddedDecode:
         return [(b, w) for b in reversed(self.batch_buckets)
                 for w in reversed(self.width_buckets) if self.bucket(b, w) == (b, w)]
 
-    def run(self, tokens: torch.Tensor, decode: torch.Tensor, pages: torch.Tensor
-            ) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, decode: torch.Tensor, pages: torch.Tensor,
+            sample_rows: torch.Tensor) -> torch.Tensor:
         """tokens [2 + tables, B], decode [4, B] and pages [tables, B, W] as the runner uploaded
-        them → logits [B, vocab] of the B real rows."""
+        them, sample_rows [S] (ascending rows, at most one per sequence) → logits [S, vocab]."""
         batch_size, width = pages.shape[1:]
         bucket = self.bucket(batch_size, width)
         assert bucket is not None, "the runner checks fits() first"
+        num_sampled = sample_rows.numel()
+        assert num_sampled <= min(bucket[0], self.max_sampled), "a row sampled twice?"
         self.stage(tokens, decode, pages, bucket)
+        self.sample_index[:num_sampled].copy_(sample_rows)
+        self.sample_index[num_sampled:].zero_()
         self.steps += 1
         forward = self.graphs.get(bucket)
         logits = forward() if forward is not None else self.forward(*bucket)
-        return logits[:batch_size]
+        return logits[:num_sampled]
 
     def fits(self, batch_size: int, width: int) -> bool:
         return self.bucket(batch_size, width) is not None
@@ -138,7 +147,8 @@ class PaddedDecode:
         self.pages[:, batch_size:padded, :padded_width].fill_(self.scratch_page)
 
     def forward(self, padded: int, padded_width: int) -> torch.Tensor:
-        """The padded step from the static inputs → logits [padded, vocab]; no host sync."""
+        """The padded step from the static inputs → logits [min(padded, max_sampled), vocab]
+        of the rows in sample_index; no host sync."""
         inputs = self.inputs[:, :padded]  # [4 + tables, padded]
         ids, positions, slots, (ctx, lo) = inputs[0], inputs[1], inputs[2:-2], inputs[-2:]
         pages = self.pages[:, :padded, :padded_width]  # [tables, padded, padded_width]
@@ -153,7 +163,8 @@ class PaddedDecode:
         meta = groups[0] if len(groups) == 1 else replace(
             groups[0], groups=groups, layer_groups=layout.layer_groups)
         hidden = self.model(ids, positions, meta, self.layer_caches)  # [padded, hidden]
-        return self.model.compute_logits(hidden)
+        picked = self.sample_index[:min(padded, self.max_sampled)]  # [L]
+        return self.model.compute_logits(hidden.index_select(0, picked))
 
     def _window_pages(self, ctx: torch.Tensor, first: torch.Tensor, window: int | None,
                       padded_width: int) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -191,8 +202,8 @@ LOGIT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.25, torch.bfloat16: 0.5
 
 def capture_cuda_graphs(padded: PaddedDecode, vocab_size: int) -> int:
     """Capture one CUDA graph per (batch, width) bucket, largest first, sharing one memory
-    pool; returns how many. Logits land in one static [max_batch, vocab] buffer."""
-    logits_out = torch.empty(padded.batch_buckets[-1], vocab_size,
+    pool; returns how many. Logits land in one static [max_sampled, vocab] buffer."""
+    logits_out = torch.empty(padded.max_sampled, vocab_size,
                              device=padded.layer_caches[0].device)
     side, pool = torch.cuda.Stream(), None
     with torch.inference_mode():
@@ -202,10 +213,11 @@ def capture_cuda_graphs(padded: PaddedDecode, vocab_size: int) -> int:
                 padded.forward(batch, width)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            rows = min(batch, padded.max_sampled)
             with torch.cuda.graph(graph, pool=pool):
-                logits_out[:batch].copy_(padded.forward(batch, width))
+                logits_out[:rows].copy_(padded.forward(batch, width))
             pool = graph.pool()
-            padded.graphs[(batch, width)] = _replayer(graph, logits_out[:batch])
+            padded.graphs[(batch, width)] = _replayer(graph, logits_out[:rows])
     torch.cuda.synchronize()
     return len(padded.graphs)
 

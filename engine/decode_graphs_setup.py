@@ -19,14 +19,15 @@ logger = logging.getLogger(__name__)
 
 def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: int,
                           max_model_len: int, padded_on_cpu: bool = False,
-                          prompt_rows: bool = True) -> bool:
+                          prompt_rows: bool = True, max_seqs: int | None = None) -> bool:
     """CUDA graphs for steps of up to `max_rows` tokens (decodes, and prompt chunks as rows
-    where `prompt_rows`) unless `enforce_eager`; returns whether they are on. With
-    `padded_on_cpu`, a CPU runs the same padded buckets without graphs (CI's stand-in)."""
+    where `prompt_rows`; logits for up to `max_seqs` of them) unless `enforce_eager`; returns
+    whether they are on. With `padded_on_cpu`, a CPU runs the same padded buckets without
+    graphs (CI's stand-in)."""
     if runner.device.type != "cuda":
         if not padded_on_cpu or enforce_eager:
             return False
-        padded = runner.enable_padded_decode(max_rows, max_model_len, prompt_rows)
+        padded = runner.enable_padded_decode(max_rows, max_model_len, prompt_rows, max_seqs)
         error = check_padded_decode(runner)
         logger.info("padded decode on CPU (no graphs): batch buckets %s; max logit difference "
                     "to eager %.3g", padded.batch_buckets, error)
@@ -34,7 +35,7 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     if enforce_eager:
         logger.info("CUDA graphs off (option.enforce_eager=true): every step runs eagerly")
         return False
-    padded = runner.enable_padded_decode(max_rows, max_model_len, prompt_rows)
+    padded = runner.enable_padded_decode(max_rows, max_model_len, prompt_rows, max_seqs)
     started = time.monotonic()
     try:
         count = capture_cuda_graphs(padded, runner.spec.vocab_size)
@@ -73,7 +74,8 @@ def check_padded_decode(runner: ModelRunner) -> float:
     widest = 0
     for ctx, n in rows:
         need, pages = -(-ctx // bs), max(widest, -(-ctx // page))
-        if need * tables > len(free) or not padded.fits(sum(scheduled) + n, pages):
+        if (need * tables > len(free) or not padded.fits(sum(scheduled) + n, pages)
+                or len(seqs) == padded.max_sampled):
             continue
         widest = pages
         ids = torch.randint(0, runner.spec.vocab_size, (ctx,), generator=generator).tolist()

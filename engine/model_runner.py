@@ -85,15 +85,15 @@ class ModelRunner:
         # input is still pending reads it from there, on the device.
         self._carry: tuple[SampledRows, dict[int, int]] | None = None
 
-    def enable_padded_decode(self, max_rows: int, max_model_len: int,
-                             prompt_rows: bool = True) -> PaddedDecode:
+    def enable_padded_decode(self, max_rows: int, max_model_len: int, prompt_rows: bool = True,
+                             max_seqs: int | None = None) -> PaddedDecode:
         """Run steps of up to `max_rows` tokens padded to row and width buckets over static
         buffers (what CUDA graphs replay; engine/decode_graphs.py): pure decode steps, and
-        steps with prompt tokens too where `prompt_rows`."""
+        steps with prompt tokens too where `prompt_rows`; logits for up to `max_seqs` rows."""
         max_pages = -(-max_model_len // self.page_size)
         self.padded_decode = PaddedDecode(self.model, self.layer_caches, self.layout,
                                           self.scratch_slot, self.page_size, max_rows,
-                                          max_pages, prompt_rows)
+                                          max_pages, prompt_rows, max_seqs)
         return self.padded_decode
 
     @property
@@ -153,12 +153,10 @@ class ModelRunner:
     def padded_logits(self, views: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """A step staged as token rows through its bucket (a CUDA graph where captured) →
         logits [S, vocab] float32 of the sampled rows (None when no row samples)."""
-        logits = self.padded_decode.run(views["tokens"], views["decode"],
-                                        views["decode_pages"])  # [N, vocab]
-        rows = views["sample_rows"]  # ascending packed rows: all N of them, or a subset
-        if rows.numel() == logits.shape[0]:
-            return logits
-        return logits.index_select(0, rows) if rows.numel() else None
+        rows = views["sample_rows"]  # [S] ascending packed rows
+        logits = self.padded_decode.run(views["tokens"], views["decode"], views["decode_pages"],
+                                        rows)  # [S, vocab]
+        return logits if rows.numel() else None
 
     def attention_metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
         """What attention sees for `batch` (start-up checks and tests drive backends with it)."""

@@ -54,7 +54,8 @@ def padded_engine(path, batching: str, **overrides):
     config = engine.config
     rows = graph_rows(config.max_num_seqs,  # as the engine sizes it on CUDA
                       config.max_num_batched_tokens or config.max_num_seqs * MAX_MODEL_LEN)
-    padded = engine.runner.enable_padded_decode(rows, MAX_MODEL_LEN)
+    padded = engine.runner.enable_padded_decode(rows, MAX_MODEL_LEN,
+                                                max_seqs=config.max_num_seqs)
     calls = []
     run = padded.run
     padded.run = lambda *args: calls.append(args[2].shape[1:]) or run(*args)  # (B, W)
@@ -144,6 +145,20 @@ def test_prefix_cache_hits_and_preemption_recomputes_run_padded_as_plain(tiny) -
         assert engine.scheduler.num_preemptions > 0 and engine.scheduler.allocator.prefix_hits
         runs[name] = [r.tokens for r in reqs]
     assert runs["padded"] == runs["plain"] and calls
+
+
+def test_a_padded_step_computes_logits_of_its_sampled_rows_only(tiny) -> None:
+    """Up to 2 x max_num_seqs token rows, but at most max_num_seqs rows of logits (one per
+    sequence): prompt rows cost no lm_head, and the graphs' logits buffer stays that size."""
+    path, prompts, new_tokens, refs = tiny
+    engine, calls = padded_engine(path, "paged", max_num_seqs=2)
+    padded = engine.runner.padded_decode
+    assert padded.batch_buckets[-1] == 4 and padded.max_sampled == 2
+    with torch.no_grad():
+        assert padded.forward(4, 1).shape[0] == 2
+    reqs = [Req(f"r{i}", prompts[i], greedy(new_tokens[i]), 0) for i in (0, 1)]
+    drive(engine, reqs)  # a 1-token prompt and a 5-token one: 6 rows, eager; then 2 rows
+    assert [r.tokens for r in reqs] == refs[:2] and calls
 
 
 def test_a_step_of_prompt_chunks_alone_samples_nothing_and_runs_padded(tiny) -> None:
