@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams, model_runner
 from engine.decode_graphs import PaddedDecode, batch_buckets, graph_rows, width_buckets
@@ -33,8 +34,6 @@ STRATEGIES = ["none", "dynamic", "continuous", "paged"]
 def tiny(request, tmp_path_factory):
     """(model dir, staggered requests) for an architecture without a sliding window, with one
     for every layer, and with a sliding and a full layer (their own metadata each)."""
-    from transformers import AutoModelForCausalLM
-
     path = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = random.Random(3)
@@ -156,9 +155,12 @@ def test_a_padded_step_computes_logits_of_its_sampled_rows_only(tiny) -> None:
     assert padded.batch_buckets[-1] == 4 and padded.max_sampled == 2
     with torch.no_grad():
         assert padded.forward(4, 1).shape[0] == 2
-    reqs = [Req(f"r{i}", prompts[i], greedy(new_tokens[i]), 0) for i in (0, 1)]
-    drive(engine, reqs)  # a 1-token prompt and a 5-token one: 6 rows, eager; then 2 rows
-    assert [r.tokens for r in reqs] == refs[:2] and calls
+    reqs = [Req("r0", prompts[0], greedy(new_tokens[0]), 0),  # 1 token
+            Req("r1", prompts[1][:3], greedy(9), 0)]  # 3 tokens: 4 rows, 2 sampled, padded
+    drive(engine, reqs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert [r.tokens for r in reqs] == [refs[0], hf_greedy(model, prompts[1][:3], 9)]
+    assert calls[0] == (4, 1)
 
 
 def test_a_step_of_prompt_chunks_alone_samples_nothing_and_runs_padded(tiny) -> None:
@@ -237,6 +239,13 @@ def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty
     assert not runner.kv_cache.any()
     windowed = any(w is not None for w in runner.layout.group_windows)  # one row past it
     assert rows == [3 + windowed + 3]  # 3 decode rows (+1), a 3-token prompt chunk
+    few = runner.enable_padded_decode(4, MAX_MODEL_LEN, max_seqs=2)  # max_num_seqs 2
+    few_rows = []
+    few_run = few.run
+    few.run = lambda *args: few_rows.append(args[2].shape[1]) or few_run(*args)
+    check_padded_decode(runner)
+    assert few_rows == [4]  # one decode row and the chunk: the chunk is checked first
+    padded = runner.enable_padded_decode(8, MAX_MODEL_LEN)
     broken = padded.forward
     padded.forward = lambda b, w: broken(b, w) + 1.0  # a graph that disagrees
     with pytest.raises(AssertionError, match="padded decode differs from eager"):
