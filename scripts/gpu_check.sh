@@ -68,6 +68,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, log it, one line in the summar
     timeout "$limit" "$@" >> "$OUT/log.txt" 2>&1
     rc=$?
     echo "$name: rc=$rc in $(( $(date +%s) - start )) s" >> "$OUT/summary.txt"
+    return "$rc"
 }
 
 want() { [[ "$CHECKS" == *" $1 "* ]]; }
@@ -99,18 +100,24 @@ build_tiny_model(Path('$tokenizer'))" >> "$OUT/log.txt" 2>&1
 fi
 dtype=bfloat16
 [ "$DEVICE" = cpu ] && dtype=float32
+rm -rf /tmp/gpu-check-model-*
+random_model() {  # random_model PRESET: sets $model, its folder, built once per run
+    model=/tmp/gpu-check-model-$1
+    [ -f "$model/.built" ] && return
+    rm -rf "$model"
+    step "model-$1" 90 "$PY" -m handler.cli bench random-model "$model" --preset "$1" \
+        --tokenizer-from "$tokenizer" --dtype "$dtype" --device "$DEVICE" && touch "$model/.built"
+}
+first=${PRESETS%% *}  # the one served and swept too: kept until the end
 for preset in $PRESETS; do
     want profile || break
-    model=/tmp/gpu-check-$preset
-    rm -rf "$model"
-    step "model-$preset" 90 "$PY" -m handler.cli bench random-model "$model" --preset "$preset" \
-        --tokenizer-from "$tokenizer" --dtype "$dtype" --device "$DEVICE"
+    random_model "$preset"
     for async in true false; do
         step "profile-$preset-async-$async" 100 "$PY" -m handler.cli bench profile \
             --model-dir "$model" --device "$DEVICE" --dtype "$dtype" --async-scheduling "$async" \
             --out "$OUT/profile-$preset-async-$async"
     done
-    rm -rf "$model"
+    [ "$preset" = "$first" ] || rm -rf "$model"  # a 7B folder is ~13 GB
 done
 served() {  # served MODEL COUNT: serve it with api_server_count=COUNT, load it, stop it
     local props=/tmp/gpu-check-served-$2.properties port=$((8090 + $2)) pid
@@ -136,21 +143,13 @@ while True:
     wait "$pid"
 }
 if want served; then
-    preset=${PRESETS%% *}
-    model=/tmp/gpu-check-$preset
-    rm -rf "$model"
-    step "model-$preset" 90 "$PY" -m handler.cli bench random-model "$model" --preset "$preset" \
-        --tokenizer-from "$tokenizer" --dtype "$dtype" --device "$DEVICE"
+    random_model "$first"
     served "$model" 1
     served "$model" 2
-    rm -rf "$model"
 fi
 if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV budget for all
-    preset=${PRESETS%% *}
-    model=/tmp/gpu-check-$preset
-    rm -rf "$model" /tmp/gpu-check-sweep
-    step "model-$preset" 90 "$PY" -m handler.cli bench random-model "$model" --preset "$preset" \
-        --tokenizer-from "$tokenizer" --dtype "$dtype" --device "$DEVICE"
+    random_model "$first"
+    rm -rf /tmp/gpu-check-sweep
     P=serving.properties.d
     for kv in ${SWEEP_KV:-2GiB 512MiB}; do
         files=("$P/paged.properties" "$P/continuous.properties")
@@ -168,8 +167,8 @@ for name, run in json.load(open(sys.argv[1])).items():
 EOF
     done
     tar -czf "$OUT/sweep-logs.tar.gz" -C /tmp/gpu-check-sweep . 2> /dev/null
-    rm -rf "$model"
 fi
+rm -rf /tmp/gpu-check-model-*
 # The device returns at most 8 files: with several presets, the JSON profiles alone.
 [ "$(find "$OUT" -type f | wc -l)" -gt 8 ] && find "$OUT" -name profile.md -delete
 # What the start-up checks decided (graphs, async scheduling, attention): each says why it fell
