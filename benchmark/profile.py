@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -154,10 +155,8 @@ def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None]
                  count: int) -> list[tuple[int, dict[str, float]]]:
     """The step continuous and paged batching take at each arrival: one new prompt beside the
     running decodes, `count` times (each new request is aborted after its step)."""
-    phases = StepPhases(sync)
-    engine.measure_phases(phases)
     measured = []
-    try:
+    with _measuring(engine, sync) as phases:
         for i in range(count):
             engine.add_request(f"mixed-{i}", prompt_ids, params)
             engine.step()
@@ -167,19 +166,26 @@ def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None]
             measured.append((batch.num_prefill_tokens + batch.num_decode_tokens,
                              dict(phases.seconds)))
             engine.abort(f"mixed-{i}")
+    return measured
+
+
+@contextmanager
+def _measuring(engine, sync: Callable[[], None] | None) -> Iterator[StepPhases]:
+    """The engine's phase clock for the block's steps (read .seconds after each)."""
+    phases = StepPhases(sync)
+    engine.measure_phases(phases)
+    try:
+        yield phases
     finally:
         engine.measure_phases(NoPhases())
-    return measured
 
 
 def _phase_steps(engine, sync: Callable[[], None] | None, *, is_prefill: bool,
                  count: int | None = None) -> list[tuple[int, dict[str, float]]]:
     """(tokens, seconds per phase) of each step of the kind asked for, up to `count`; the
     first step of the other kind ends it (and is not recorded)."""
-    phases = StepPhases(sync)
-    engine.measure_phases(phases)
     measured = []
-    try:
+    with _measuring(engine, sync) as phases:
         while count is None or len(measured) < count:
             engine.step()
             batch = engine.last_batch
@@ -189,8 +195,6 @@ def _phase_steps(engine, sync: Callable[[], None] | None, *, is_prefill: bool,
                 break
             measured.append((batch.num_prefill_tokens + batch.num_decode_tokens,
                              dict(phases.seconds)))
-    finally:
-        engine.measure_phases(NoPhases())
     return measured
 
 
