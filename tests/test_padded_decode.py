@@ -55,10 +55,15 @@ def padded_engine(path, batching: str, **overrides):
                       config.max_num_batched_tokens or config.max_num_seqs * MAX_MODEL_LEN)
     padded = engine.runner.enable_padded_decode(rows, MAX_MODEL_LEN,
                                                 max_seqs=config.max_num_seqs)
+    return engine, recorded(padded)
+
+
+def recorded(padded: PaddedDecode) -> list[tuple[int, int]]:
+    """The (rows, width) of every step `padded` runs from now on, before its bucket."""
     calls = []
     run = padded.run
-    padded.run = lambda *args: calls.append(args[2].shape[1:]) or run(*args)  # (B, W)
-    return engine, calls
+    padded.run = lambda *args: calls.append(tuple(args[2].shape[1:])) or run(*args)
+    return calls
 
 
 def requests(prompts, new_tokens, sampled: bool = False) -> list[Req]:
@@ -231,20 +236,14 @@ def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty
     runner = engine.runner
     assert not prepare_decode_graphs(runner, False, 8, MAX_MODEL_LEN)  # CPU: no graphs
     assert runner.padded_decode is None
-    padded = runner.enable_padded_decode(8, MAX_MODEL_LEN)
-    rows = []
-    run = padded.run
-    padded.run = lambda *args: rows.append(args[2].shape[1]) or run(*args)
+    calls = recorded(runner.enable_padded_decode(8, MAX_MODEL_LEN))
     assert check_padded_decode(runner) < 1e-3
     assert not runner.kv_cache.any()
     windowed = any(w is not None for w in runner.layout.group_windows)  # one row past it
-    assert rows == [3 + windowed + 3]  # 3 decode rows (+1), a 3-token prompt chunk
-    few = runner.enable_padded_decode(4, MAX_MODEL_LEN, max_seqs=2)  # max_num_seqs 2
-    few_rows = []
-    few_run = few.run
-    few.run = lambda *args: few_rows.append(args[2].shape[1]) or few_run(*args)
+    assert [rows for rows, _ in calls] == [3 + windowed + 3]  # 3 decodes (+1), a 3-token chunk
+    calls = recorded(runner.enable_padded_decode(4, MAX_MODEL_LEN, max_seqs=2))
     check_padded_decode(runner)
-    assert few_rows == [4]  # one decode row and the chunk: the chunk is checked first
+    assert [rows for rows, _ in calls] == [4]  # a decode row and the chunk: the chunk goes first
     padded = runner.enable_padded_decode(8, MAX_MODEL_LEN)
     broken = padded.forward
     padded.forward = lambda b, w: broken(b, w) + 1.0  # a graph that disagrees
