@@ -19,6 +19,7 @@ from multiprocessing.connection import Client, Connection
 
 from engine.config import EngineConfig
 from engine.core import CoreMessage, CoreUpdate, EngineCore
+from engine.heap import freeze_start_up_heap
 from engine.inputs import RequestLimits, StopCore
 from engine.outputs import Gauges
 
@@ -208,5 +209,6 @@ def _core_main(config: EngineConfig, inbox: Connection, outbox: Connection,
         logger.exception("engine core: model loading failed")
         pipes.publish(CoreFailed(f"{type(err).__name__}: {err}"))
         return
+    freeze_start_up_heap()
     pipes.publish(CoreReady(engine.limits, engine.gauges()))
     EngineCore(engine, pipes.receive, pipes.publish).run()

@@ -122,6 +122,7 @@ def main() -> None:
     from engine.core import EngineCore  # torch: imported once the socket is there
     from engine.core_fronts import Fronts
     from engine.core_process import CoreFailed, CoreReady
+    from engine.heap import freeze_start_up_heap
     from engine.llm_engine import LLMEngine
 
     fronts = Fronts(listener)
@@ -134,6 +135,7 @@ def main() -> None:
         logger.exception("engine core: model loading failed")
         fronts.open(CoreFailed(f"{type(err).__name__}: {err}"))
         raise SystemExit(1) from None
+    freeze_start_up_heap()
     fronts.open(CoreReady(engine.limits, engine.gauges()))
     EngineCore(engine, fronts.receive, fronts.publish).run()
     listener.close()

@@ -4,6 +4,7 @@ down or died) takes only its own requests with it; the core stops when the last 
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -150,3 +151,17 @@ def test_step_stats_count_each_preemption_once(model_dir) -> None:
           after_step=lambda e: reported.append(e.last_step_stats(0.0).num_preemptions))
     assert engine.scheduler.num_preemptions > 0
     assert sum(reported) == engine.scheduler.num_preemptions
+
+
+def test_the_shared_core_freezes_its_start_up_heap_before_it_reports_ready(
+        model_dir, capfd, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    capfd.readouterr()
+    server = CoreServer(config(model_dir))
+    try:
+        server.wait_listening()
+        client = front(server, model_dir)
+        assert "start-up heap frozen" in capfd.readouterr().err
+        client.shutdown(grace_seconds=0)
+    finally:
+        server.stop()

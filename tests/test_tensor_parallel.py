@@ -5,6 +5,7 @@ behind. The sharding arithmetic is checked on its own."""
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 
@@ -67,14 +68,19 @@ def test_two_ranks_reproduce_transformers_in_every_strategy(llama, batching) -> 
     assert tokens == refs
 
 
-def test_four_ranks_replicate_kv_heads_and_survive_preemption(llama) -> None:
+def test_four_ranks_replicate_kv_heads_and_survive_preemption(llama, capfd, caplog) -> None:
     """2 KV heads over 4 ranks: each KV head lives on two ranks. A pool of 16 blocks of 4
-    tokens cannot hold the four requests (26 blocks) at once, so the paged scheduler preempts."""
+    tokens cannot hold the four requests (26 blocks) at once, so the paged scheduler preempts.
+    Each worker rank freezes its start-up heap, as a full collection would stall the ranks."""
+    caplog.set_level(logging.INFO)
+    capfd.readouterr()
     path, prompts, refs = llama
     tokens, preemptions = run_staggered(path, prompts, "paged", tp=4, num_kv_blocks=16,
                                         block_size=4)
     assert tokens == refs
     assert preemptions > 0
+    log = capfd.readouterr().err.splitlines()
+    assert sum("tp-rank-" in line and "start-up heap frozen" in line for line in log) == 3
 
 
 def test_two_ranks_through_the_padded_decode_path(llama) -> None:

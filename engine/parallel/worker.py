@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from engine.heap import freeze_start_up_heap
 from engine.parallel.comm import init_group, leave_group
 from engine.parallel.shard import Shard
 from engine.parallel.workers import WorkerArgs
@@ -44,6 +45,7 @@ def main() -> int:
     comm = init_group(shard, device, args.store_path)
     runner = build_rank(args.config, device, shard, comm).runner
     comm.serving_timeout(args.config.collective_timeout_s)
+    freeze_start_up_heap()
     steps = 0
     try:
         while True:
