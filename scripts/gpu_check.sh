@@ -10,8 +10,9 @@
 #                                    tokenizer, into .gpu-carry/ (git-ignored, ~24 MB)
 #   device run: command "scripts/gpu_check.sh", carry [".gpu-carry"], timeout_s 560
 #   (the steps' limits add up to ~490 s, so the verdicts at the end always come back)
-# Seen on an H200 (2026-11-26): tests 119 s, profiles 28 + 21 s, sweep 190 s, served 107 s (each
-# with ~15 s of set-up), so CHECKS="tests profile sweep" fits one 560 s call.
+# Seen on an H200 (2026-11-26): tests 113 s, profiles 29 + 22 s, sweep 182 s, served 107 s (each
+# with ~15 s of set-up): CHECKS="tests profile sweep" took 367 s of a 560 s call, and a second
+# call, PRESETS=llama-7b CHECKS=profile, 111 s (a machine starts in ~30 s).
 #
 # Rehearse on CPU (the CUDA tests skip, the profile runs a tiny model):
 #   PYTHON=.venv/bin/python DEVICE=cpu PRESETS=llama-tiny OUT=/tmp/gpu-check scripts/gpu_check.sh
@@ -19,7 +20,8 @@
 # then give the device call its full 600 s and run fewer tests, or run 7B in a second call).
 # CHECKS picks the parts (default "tests profile"; PYTEST_K narrows the tests, pytest's -k).
 # CHECKS=sweep: the README's GPU sweep (LMI workload, 32 clients, 96 requests; paged,
-# continuous, dynamic at 2 GiB of KV, then paged and continuous at 512 MiB; ~4-5 min) into
+# continuous and dynamic at 2 GiB of KV, then at 512 MiB, where the contiguous strategies hold
+# 8 sequences; ~3 min on the H200 of 11-26) into
 # sweep-kv-*.json, the logs into sweep-logs.tar.gz. CHECKS=served, in a second call, serves the
 # first preset over HTTP with option.api_server_count 1 and then 2 (128 streaming clients, the
 # served-gap run's raw_client.py) and puts req/s and time to first byte in summary.txt.
@@ -152,8 +154,7 @@ if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV 
     rm -rf /tmp/gpu-check-sweep
     P=serving.properties.d
     for kv in ${SWEEP_KV:-2GiB 512MiB}; do
-        files=("$P/paged.properties" "$P/continuous.properties")
-        [ "$kv" = 2GiB ] && files+=("$P/dynamic.properties")
+        files=("$P/paged.properties" "$P/continuous.properties" "$P/dynamic.properties")
         step "sweep-kv-$kv" 200 "$PY" -m handler.cli bench sweep "${files[@]}" --model-dir "$model" \
             --set "option.dtype=$dtype" --set "option.device=$DEVICE" --kv-cache-memory "$kv" \
             -c 32 -n "${SWEEP_REQUESTS:-96}" --out "/tmp/gpu-check-sweep/kv-$kv"
@@ -162,11 +163,16 @@ if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV 
 import json, sys
 for name, run in json.load(open(sys.argv[1])).items():
     step_ms = 1000 * (run.get("server") or {}).get("mean_step_s", 0.0)
+    # Stalls every running stream sees at once (the 11-26 run had 0.2-0.6 s ones)
+    gaps = [g for g in run.get("samples", {}).get("inter_token", []) if g > 0.1]
     print(f"kv {sys.argv[2]} {name}: {run.get('requests_per_s', 0.0):.3f} req/s, "
-          f"{run.get('num_errors')} errors, server step {step_ms:.1f} ms")
+          f"{run.get('num_errors')} errors, server step {step_ms:.1f} ms, "
+          f"{len(gaps)} token gaps > 100 ms (longest {max(gaps, default=0):.2f} s)")
 EOF
     done
     tar -czf "$OUT/sweep-logs.tar.gz" -C /tmp/gpu-check-sweep . 2> /dev/null
+    grep -h "heap frozen" /tmp/gpu-check-sweep/*/*.server.log | sed -E 's/^[0-9-]+ [0-9:,]+ //' \
+        >> "$OUT/summary.txt"
 fi
 rm -rf /tmp/gpu-check-model-*
 # The device returns at most 8 files: with several presets, the JSON profiles alone.
