@@ -2,10 +2,12 @@
 
 A full (generation 2) collection walks every tracked object: after start-up that is every
 module, the model's Python objects and, on CUDA, the compiled attention graphs and their
-guards. Measured on the 2-vCPU CI machine, one walk of the tiny default model's ~350k objects
+guards. Measured on the 2-vCPU CI machine, one walk of a tiny Llama engine's ~350k objects
 takes ~180 ms (~300 ms with FlexAttention compiled), and it runs on the engine thread, holding
-the GIL, whenever enough new objects survive: a stall of every running request. Freezing those
-objects once, as vLLM's engine core does, leaves the collector only what serving allocates.
+the GIL, whenever enough new objects survive: a stall of every running request. An HTTP worker
+(transformers' tokenizer modules, flask, gunicorn) paused ~250 ms the same way while serving.
+Freezing those objects once, as vLLM's engine core does, leaves the collector only what serving
+allocates.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ logger = logging.getLogger(__name__)
 def freeze_start_up_heap() -> None:
     """Collect once, then move every surviving object to the permanent generation.
 
-    Only for a process that serves until it exits (the engine core, a tensor-parallel rank):
-    frozen objects that later form unreachable cycles are never collected. Reference counting
-    still frees the rest."""
+    Only for a process that serves until it exits (the engine core, a tensor-parallel rank, an
+    HTTP worker once loaded): frozen objects that later form unreachable cycles are never
+    collected. Reference counting still frees the rest."""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()

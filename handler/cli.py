@@ -68,6 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Before prometheus_client is imported (it picks its storage then); in the core's
         # directory, which goes with it, even if this process is killed.
         os.environ[MULTIPROC_ENV] = core.scratch_dir("metrics")
+    from engine.heap import freeze_start_up_heap
     from handler.http.server import exit_on_engine_death, exit_on_load_failure, run_server
     from handler.http.state import ServerState
 
@@ -90,7 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay,
                                        on_engine_death=exit_on_engine_death,
-                                       core_address=core.address if core else None),
+                                       core_address=core.address if core else None,
+                                       before_ready=freeze_start_up_heap),
                    args.host, port, threads, config.drain_timeout, config.api_server_count,
                    on_exit)
     finally:  # also where gunicorn leaves without its on_exit hook (e.g. the port is taken);

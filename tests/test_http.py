@@ -53,6 +53,14 @@ def test_32_concurrent_clients_are_all_answered(server) -> None:
     assert details[0]["details"]["finish_reason"] in ("length", "eos_token")
 
 
+def test_the_worker_and_its_core_freeze_their_start_up_heap(server) -> None:
+    """A full collection while serving walks every start-up object with the GIL held (~250 ms
+    in an HTTP worker on 2 vCPUs): the core process and the HTTP worker freeze theirs first."""
+    frozen = [line for line in server.log().splitlines() if "start-up heap frozen" in line]
+    assert len(frozen) == 2
+    assert sum("engine-core" in line for line in frozen) == 1
+
+
 def test_list_inputs_answer_a_list_in_order(server) -> None:
     body = {"inputs": ["The capital of France", "Once upon"],
             "parameters": {"max_new_tokens": 5, "ignore_eos": True, "details": True}}

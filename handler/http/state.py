@@ -31,7 +31,8 @@ class ServerState:
                  on_load_failure: Callable[[], None] | None = None,
                  load_delay: float = 0.0,
                  on_engine_death: Callable[[], None] | None = None,
-                 core_address: CoreAddress | None = None) -> None:
+                 core_address: CoreAddress | None = None,
+                 before_ready: Callable[[], None] | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
         self.model_name = Path(config.engine.model).name
@@ -48,6 +49,8 @@ class ServerState:
         # that process prepares and loads the model, this one connects to it.
         self._core_address = core_address
         self._all_started = False
+        # Runs once loaded, before /ping says ready (the CLI freezes the start-up heap there).
+        self._before_ready = before_ready
 
     def start_loading(self) -> None:
         threading.Thread(target=self._load, name="model-loader", daemon=True).start()
@@ -70,9 +73,14 @@ class ServerState:
         self.client = client
         self.metrics.watch(client.gauges)
         client.start()
-        self.status = "ready"
+        self._become_ready()
         if self._on_engine_death is not None:
             threading.Thread(target=self._watch_engine, name="engine-watch", daemon=True).start()
+
+    def _become_ready(self) -> None:
+        if self._before_ready is not None:
+            self._before_ready()
+        self.status = "ready"
 
     def _watch_engine(self) -> None:
         """An engine that dies while serving (its core process killed, a tensor-parallel rank
@@ -137,7 +145,7 @@ class ServerState:
             if custom.runner is not None:
                 self.runner = custom.runner
                 self.runner.start()
-                self.status = "ready"
+                self._become_ready()
                 logger.info("handler ready in %.1f s; serving", time.monotonic() - started)
                 return
             self.serve(EngineClient.from_config(self.config.engine, self.config.job_queue_size,
