@@ -179,6 +179,8 @@ class EngineLoop:
     def shutdown(self, grace_seconds: float) -> None:
         """Stop accepting, let in-flight requests finish within the grace period, abort the rest
         (their final event says "abort": cut off by the shutdown), then stop the core."""
+        if self._output_thread.ident is None:  # never started: run it, so the core stops
+            self.start()                        # and closes its engine as usual
         with self._lock:
             if self._stopping:
                 return

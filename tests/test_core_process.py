@@ -72,11 +72,11 @@ def test_the_core_process_freezes_its_start_up_heap_before_it_reports_ready(
     caplog.set_level(logging.INFO)
     capfd.readouterr()
     client = EngineClient.from_config(config(model_dir), max_queued=8, process=True)
-    client.start()
     try:
         assert "start-up heap frozen" in capfd.readouterr().err
     finally:
-        client.shutdown(grace_seconds=0)
+        client.shutdown(grace_seconds=0)  # never started: shutdown still stops the core
+    assert not client.gauges().alive
 
 
 def run_all(client: EngineClient, params: list[SamplingParams]) -> list[list]:

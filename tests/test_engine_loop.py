@@ -56,6 +56,12 @@ def kv_used(client: EngineClient) -> int:
 
 
 
+def test_a_client_never_started_still_shuts_down_its_core(model_dir) -> None:
+    client = EngineClient(make_engine(model_dir, "paged"), max_queued=4)
+    client.shutdown(grace_seconds=0)  # raised "cannot join thread before it is started"
+    assert not client.gauges().alive
+
+
 def test_submitted_requests_stream_every_token_and_end(served) -> None:
     handles = [served.submit(request(greedy(n))) for n in (3, 9, 1)]
     runs = [collect(h) for h in handles]

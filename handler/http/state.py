@@ -111,8 +111,7 @@ class ServerState:
         try:  # model.py's formatters; a handler in it is refused
             self.formatters = load_custom_code(self.config, allow_handler=False).formatters
         except BaseException:
-            client.start()  # so that it can say goodbye to the core
-            client.shutdown(grace_seconds=0)
+            client.shutdown(grace_seconds=0)  # says goodbye to the core
             raise
         self.serve(client)
         self._started_marker().touch()
