@@ -19,6 +19,7 @@ from engine.config import (
 )
 from engine.core_server import CoreAddress, CoreServer
 from engine.guided import GuidedSpec, check_spec
+from engine.heap import freeze_start_up_heap
 from engine.inputs import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineDeadError, QueueFullError, RequestHandle
@@ -34,4 +35,5 @@ __all__ = [
     "FinishReason", "Gauges",
     "GenerationRequest", "GuidedSpec", "LLMEngine", "QueueFullError", "RequestError",
     "RequestHandle", "SamplingParams", "StepStats", "TokenEvent", "check_spec",
+    "freeze_start_up_heap",
 ]

@@ -68,7 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Before prometheus_client is imported (it picks its storage then); in the core's
         # directory, which goes with it, even if this process is killed.
         os.environ[MULTIPROC_ENV] = core.scratch_dir("metrics")
-    from engine.heap import freeze_start_up_heap
+    from engine import freeze_start_up_heap
     from handler.http.server import exit_on_engine_death, exit_on_load_failure, run_server
     from handler.http.state import ServerState
 
