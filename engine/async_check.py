@@ -1,7 +1,6 @@
 """Start-up of asynchronous scheduling: on where asked (or, by default, where the device runs
 apart from the host), after a few short greedy requests give the same tokens planned ahead as
-in order; on any disagreement or failure, log why and run steps in order. Where it stays off,
-one short request warms the engine up instead (warm_up)."""
+in order; on any disagreement or failure, log why and run steps in order."""
 
 from __future__ import annotations
 
@@ -58,28 +57,10 @@ def check_async_scheduling(engine) -> None:
                                f"{in_order}")
 
 
-def warm_up(engine) -> None:
-    """One short greedy request, in order, before serving. A process's first forward pays
-    torch's lazy initialisation: ~0.7 s on CPU (its first advanced indexing alone ~0.25 s),
-    ~0.4 s of the first step on an H200 with async scheduling off. The first user request would
-    pay it otherwise. (The async scheduling check, where it runs, does the same.)"""
-    prompt = [(7 * j + 1) % engine.vocab_size for j in range(_CHECK_PROMPT_LENGTHS[1])]
-    params = SamplingParams(max_new_tokens=2, ignore_eos=True, seed=0)  # seeded: no draw
-    try:
-        engine.validate(prompt, params)
-    except RequestError as err:
-        logger.warning("no start-up warm-up (the first request pays for it): %s", err)
-        return
-    started = time.perf_counter()
-    _generate(engine, [prompt], params, ahead=False)
-    logger.info("warmed up with one short request in %.0f ms",
-                1000 * (time.perf_counter() - started))
-
-
 def _generate(engine, prompts: list[list[int]], params: SamplingParams,
               ahead: bool) -> list[list[int]]:
     engine.async_scheduling = ahead
-    ids = [f"start-up-{ahead}-{i}" for i in range(len(prompts))]
+    ids = [f"async-check-{ahead}-{i}" for i in range(len(prompts))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     try:
         for rid, prompt in zip(ids, prompts, strict=True):

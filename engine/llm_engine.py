@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.async_check import choose_async_scheduling, warm_up
+from engine.async_check import choose_async_scheduling
 from engine.config import EngineConfig
 from engine.guided import GuidedDecoding
 from engine.inputs import GenerationRequest, RequestLimits
@@ -105,8 +105,6 @@ class LLMEngine:
         engine = cls(config, tokenizer, scheduler, runner, max_model_len, spec.vocab_size, eos)
         engine.guided.build_in_background()  # ready before the first guided request
         engine.async_scheduling = choose_async_scheduling(engine)
-        if not engine.async_scheduling:
-            warm_up(engine)
         return engine
 
     def close(self) -> None:

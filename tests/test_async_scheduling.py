@@ -259,23 +259,6 @@ def test_auto_is_off_on_cpu_and_under_tensor_parallelism(tiny, caplog) -> None:
         engine.runner.peers = None
 
 
-@pytest.mark.parametrize("batching", ["none", "dynamic", "continuous", "paged"])
-def test_without_it_one_short_request_warms_the_engine_up_and_leaves_no_trace(
-        tiny, batching, caplog) -> None:
-    """A process's first forward pays torch's lazy initialisation (~0.7 s on CPU): the engine
-    pays it at start-up, not the first user request, and keeps nothing of it."""
-    path, prompts, new_tokens, refs = tiny
-    with caplog.at_level(logging.INFO, logger="engine.async_check"):
-        engine = make_engine(path, batching)
-    assert not engine.async_scheduling
-    assert "warmed up with one short request" in caplog.text
-    assert not engine.has_unfinished() and engine.gauges().kv_blocks_used == 0
-    engine.scheduler.check_integrity()
-    reqs = staggered(prompts, new_tokens)
-    drive(engine, reqs)
-    assert [r.tokens for r in reqs] == refs
-
-
 def test_served_requests_stream_generate_tokens_planned_ahead(tiny) -> None:
     """Through the engine loop (core thread + output thread), concurrent streams."""
     path, prompts, new_tokens, refs = tiny

@@ -161,7 +161,6 @@ def test_a_backend_that_disagrees_is_caught_at_start_up(tmp_path) -> None:
 
     engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4)
     runner = engine.runner
-    runner.kv_cache.zero_()  # the engine's start-up warm-up request wrote some KV
     runner.attention = _OffByOne()
     with pytest.raises(ValueError, match="failed its start-up check"):
         check_or_fall_back(runner, "flex")
@@ -219,7 +218,6 @@ def test_warm_up_runs_each_bucket_and_leaves_the_pool_untouched(tmp_path) -> Non
         return forward(q, *args)
 
     engine.runner.attention.forward = counting
-    engine.runner.kv_cache.zero_()  # the engine's start-up warm-up request wrote some KV
     assert warm_up_attention(engine.runner, 64) == [16, 32, 64] == calls
     assert not engine.runner.kv_cache.any()
 
