@@ -92,6 +92,7 @@ class EngineClient:
                                 id_prefix)
 
     def start(self) -> None:
+        self._guided.wait_built()  # its build would stall the first requests' steps
         self._loop.start()
 
     def shutdown(self, grace_seconds: float) -> None:

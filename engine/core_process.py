@@ -209,6 +209,7 @@ def _core_main(config: EngineConfig, inbox: Connection, outbox: Connection,
         logger.exception("engine core: model loading failed")
         pipes.publish(CoreFailed(f"{type(err).__name__}: {err}"))
         return
+    engine.guided.wait_built()  # its build would stall the first requests' steps
     freeze_start_up_heap()
     pipes.publish(CoreReady(engine.limits, engine.gauges()))
     EngineCore(engine, pipes.receive, pipes.publish).run()

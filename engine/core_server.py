@@ -135,6 +135,7 @@ def main() -> None:
         logger.exception("engine core: model loading failed")
         fronts.open(CoreFailed(f"{type(err).__name__}: {err}"))
         raise SystemExit(1) from None
+    engine.guided.wait_built()  # its build would stall the first requests' steps
     freeze_start_up_heap()
     fronts.open(CoreReady(engine.limits, engine.gauges()))
     EngineCore(engine, fronts.receive, fronts.publish).run()

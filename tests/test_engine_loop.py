@@ -16,6 +16,7 @@ from engine import (
     RequestError,
     SamplingParams,
 )
+from engine.guided import GuidedDecoding
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
@@ -60,6 +61,25 @@ def test_a_client_never_started_still_shuts_down_its_core(model_dir) -> None:
     client = EngineClient(make_engine(model_dir, "paged"), max_queued=4)
     client.shutdown(grace_seconds=0)  # raised "cannot join thread before it is started"
     assert not client.gauges().alive
+
+
+def test_serving_starts_once_the_guided_tokenizer_is_built(model_dir, monkeypatch) -> None:
+    """llguidance's tokenizer build holds the GIL for up to ~0.3 s at a stretch: left running
+    beside the first requests, it stalled their steps (a 49k vocabulary: ~0.45 s in all)."""
+    build = GuidedDecoding._build
+
+    def slow_build(self) -> None:
+        time.sleep(0.3)
+        build(self)
+    monkeypatch.setattr(GuidedDecoding, "_build", slow_build)
+    engine = make_engine(model_dir, "paged")
+    client = EngineClient(engine, max_queued=4)
+    assert not engine.guided.is_built  # still building in the background
+    client.start()
+    try:
+        assert engine.guided.is_built
+    finally:
+        client.shutdown(grace_seconds=0)
 
 
 def test_submitted_requests_stream_every_token_and_end(served) -> None:
