@@ -116,6 +116,7 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
                           block_size=block_size, tensor_parallel_size=tensor_parallel,
                           async_scheduling=async_scheduling)
     engine = LLMEngine.from_config(config)
+    engine.guided.wait_built()  # its background build would slow the first steps measured
     rows: list[StepProfile] = []
     try:
         for batch in batch_sizes:

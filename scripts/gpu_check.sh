@@ -171,7 +171,7 @@ for name, run in json.load(open(sys.argv[1])).items():
 EOF
     done
     tar -czf "$OUT/sweep-logs.tar.gz" -C /tmp/gpu-check-sweep . 2> /dev/null
-    grep -h "heap frozen" /tmp/gpu-check-sweep/*/*.server.log | sed -E 's/^[0-9-]+ [0-9:,]+ //' \
+    grep -hE "heap frozen|tokenizer view built" /tmp/gpu-check-sweep/*/*.server.log | sed -E 's/^[0-9-]+ [0-9:,]+ //' \
         >> "$OUT/summary.txt"
 fi
 rm -rf /tmp/gpu-check-model-*
@@ -180,6 +180,6 @@ rm -rf /tmp/gpu-check-model-*
 # What the start-up checks decided (graphs, async scheduling, attention): each says why it fell
 # back, if it did.
 grep -iE "fall(s|ing)? back|disagree|differ|graphs? (on|off|captured)|asynchronous scheduling|\
-attention backend|heap frozen" "$OUT/log.txt" | sed -E 's/^[0-9-]+ [0-9:,]+ //' | sort | uniq -c | head -40 \
+attention backend|heap frozen|tokenizer view built" "$OUT/log.txt" | sed -E 's/^[0-9-]+ [0-9:,]+ //' | sort | uniq -c | head -40 \
     >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
