@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from engine.heap import freeze_start_up_heap
 from engine.inputs import AbortRequest, AddRequest, StopCore
 from engine.llm_engine import LLMEngine
 from engine.output_processor import StepOutput
@@ -43,6 +44,13 @@ class CoreUpdate:
         columns = list(zip(*self.outputs, strict=True))
         stats = None if self.stats is None else _values(self.stats)
         return _rebuild_update, (columns, _values(self.gauges), stats)
+
+
+def prepare_to_serve(engine: LLMEngine) -> None:
+    """What a core process finishes before it reports ready: the guided tokenizer's background
+    build (its GIL would stall the first steps), then freezing the start-up heap."""
+    engine.guided.wait_built()
+    freeze_start_up_heap()
 
 
 def _values(facts: Gauges | StepStats) -> tuple:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 
 from engine.config import EngineConfig
-from engine.core import CoreMessage, CoreUpdate, EngineCore
-from engine.heap import freeze_start_up_heap
+from engine.core import CoreMessage, CoreUpdate, EngineCore, prepare_to_serve
 from engine.inputs import RequestLimits, StopCore
 from engine.outputs import Gauges
 
@@ -209,7 +208,6 @@ def _core_main(config: EngineConfig, inbox: Connection, outbox: Connection,
         logger.exception("engine core: model loading failed")
         pipes.publish(CoreFailed(f"{type(err).__name__}: {err}"))
         return
-    engine.guided.wait_built()  # its build would stall the first requests' steps
-    freeze_start_up_heap()
+    prepare_to_serve(engine)
     pipes.publish(CoreReady(engine.limits, engine.gauges()))
     EngineCore(engine, pipes.receive, pipes.publish).run()

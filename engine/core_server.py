@@ -119,10 +119,9 @@ def main() -> None:
                      name="parent-watch", daemon=True).start()
     listener = Listener(setup.address.path, "AF_UNIX", backlog=64,
                         authkey=setup.address.authkey)
-    from engine.core import EngineCore  # torch: imported once the socket is there
+    from engine.core import EngineCore, prepare_to_serve  # torch: once the socket is there
     from engine.core_fronts import Fronts
     from engine.core_process import CoreFailed, CoreReady
-    from engine.heap import freeze_start_up_heap
     from engine.llm_engine import LLMEngine
 
     fronts = Fronts(listener)
@@ -135,8 +134,7 @@ def main() -> None:
         logger.exception("engine core: model loading failed")
         fronts.open(CoreFailed(f"{type(err).__name__}: {err}"))
         raise SystemExit(1) from None
-    engine.guided.wait_built()  # its build would stall the first requests' steps
-    freeze_start_up_heap()
+    prepare_to_serve(engine)
     fronts.open(CoreReady(engine.limits, engine.gauges()))
     EngineCore(engine, fronts.receive, fronts.publish).run()
     listener.close()
