@@ -59,6 +59,7 @@ class RequestHandle:
         self.finished = False
         self.cancelled = False  # aborted because cancel_when's check said so
         self._cancel_check: Callable[[], bool] | None = None
+        self._listener: Callable[[], None] | None = None
 
     def cancel_when(self, check: Callable[[], bool]) -> None:
         """While events() waits, run `check` every CANCEL_CHECK_SECONDS; once it is true, abort
@@ -73,11 +74,11 @@ class RequestHandle:
         while not self.finished:
             if self._cancel_check is not None and time.monotonic() >= next_check:
                 next_check = time.monotonic() + poll
-                self._check_cancel()
+                self.check_cancel()
             try:
                 event = self._events.get(timeout=poll)
             except queue.Empty:
-                event = None if self._loop.is_delivering() else self._dead_event()
+                event = None if self.events_may_come() else self._dead_event()
             if event is None:
                 continue
             self.finished = event.finished
@@ -87,9 +88,19 @@ class RequestHandle:
         """Whether events() would yield its next event without waiting."""
         return not self._events.empty()
 
-    def _check_cancel(self) -> None:
-        assert self._cancel_check is not None
-        if self.cancelled or self.finished:
+    def on_delivery(self, listener: Callable[[], None] | None) -> None:
+        """Have the output thread call `listener()` after it queues new events for this
+        request (None: stop). It runs on the thread that delivers every request's events, so it
+        must not block: it lets a server write a stream without waking a thread per token."""
+        self._listener = listener
+
+    def events_may_come(self) -> bool:
+        """Whether the output thread still runs (it ends every request it leaves)."""
+        return self._loop.is_delivering()
+
+    def check_cancel(self) -> None:
+        """Run cancel_when's check now (events() runs it every CANCEL_CHECK_SECONDS)."""
+        if self._cancel_check is None or self.cancelled or self.finished:
             return
         try:
             gone = self._cancel_check()
@@ -248,11 +259,19 @@ class EngineLoop:
                            "output processing failed") for rid in request_ids]
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
+        listeners: dict[str, Callable[[], None]] = {}  # one call per request per delivery
         with self._lock:
             for event in events:
                 handle = self._handles.get(event.request_id)
                 if handle is None:
                     continue
                 handle._events.put(event)
+                if handle._listener is not None:
+                    listeners[event.request_id] = handle._listener
                 if event.finished:
                     del self._handles[event.request_id]
+        for listener in listeners.values():
+            try:
+                listener()
+            except Exception:  # a listener's failure is its request's, never the others'
+                logger.exception("event listener failed")

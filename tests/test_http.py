@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -85,6 +86,29 @@ def test_streaming_lines_and_multibyte_text(server) -> None:
     sse = post(server.url, body, headers={"Accept": "text/event-stream"}, stream=True)
     events = [e for e in sse.iter_lines() if e]
     assert all(e.startswith(b"data: ") for e in events) and len(events) == 12
+
+
+def test_streams_are_written_by_the_output_thread_with_the_same_bytes(server) -> None:
+    """HTTP/1.1 streams go out from the engine's output thread; HTTP/1.0 (not chunked) from the
+    request thread, as before; the lines are the same."""
+    body = {"inputs": "Grüße 東京", "parameters": {"max_new_tokens": 9, "ignore_eos": True,
+                                                   "details": True}, "stream": True}
+    by = 'batchyard_streamed_requests_total{writer="%s"}'
+    before = {w: server.metric(by % w) for w in ("output_thread", "request_thread")}
+    chunked = post(server.url, body, stream=True)
+    assert chunked.headers["Transfer-Encoding"] == "chunked"
+    lines = chunked.content.decode()
+    host, port = server.url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /invocations HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
+        raw = b"".join(iter(lambda: sock.recv(65536), b""))
+    head, _, plain = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head
+    assert plain.decode() == lines and len(lines.splitlines()) == 9
+    assert server.metric(by % "output_thread") == before["output_thread"] + 1
+    assert server.metric(by % "request_thread") == before["request_thread"] + 1
 
 
 def test_disconnecting_stream_aborts_and_frees_kv(server) -> None:

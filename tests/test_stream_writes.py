@@ -31,7 +31,8 @@ def _lines(handle: RequestHandle, fail_at: int | None = None):
 
 def _response(handle: RequestHandle, sse: bool = False, coalesce: bool = True,
               fail_at: int | None = None):
-    metrics = SimpleNamespace(on_abort=lambda *a: None, on_request=lambda *a: None)
+    metrics = SimpleNamespace(on_abort=lambda *a: None, on_request=lambda *a: None,
+                              on_stream=lambda *a: None)
     return stream_response(_lines(handle, fail_at), handle, SimpleNamespace(metrics=metrics),
                            sse=sse, done_line=sse, start=0.0, coalesce=coalesce)
 

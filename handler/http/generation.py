@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 
-from flask import Response, request
+from flask import Response, has_request_context, request
 
 from engine import (
     EngineDeadError,
@@ -22,6 +22,7 @@ from engine import (
     SamplingParams,
     TokenEvent,
 )
+from handler.http.direct_stream import DirectWriter, direct_socket
 from handler.http.schemas import (
     Decode,
     GenerateRequest,
@@ -163,55 +164,95 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
     """Write lines as they come; a client that goes away aborts its request (frees its KV).
     `trailer` makes one more line from the last event of a request that ended well (OpenAI's
     usage chunk). `coalesce` (for `lines` that make one line of every event): the lines of
-    events already queued go out in one write."""
+    events already queued go out in one write, and, where the response allows it, the engine's
+    output thread writes them (handler/http/direct_stream.py)."""
+    sock = direct_socket(request.environ) if coalesce and has_request_context() else None
+    written = _Written(sse)
 
     def generate() -> Iterator[str | bytes]:
-        times, last = [], None
-        unsent: list[str] = []  # lines held while the events behind them are already here
+        lines_left = iter(lines)
         try:
-            try:
-                for line, event in lines:
-                    last = event
-                    if event.token_id is not None:
-                        times.append(time.monotonic())
-                    error = final_error(event) if event.finished else None
-                    if error is not None:
-                        line = {**error.body(), "error": error.message,
-                                "details": {"finish_reason": "error"}}
-                    if isinstance(line, bytes):  # an output formatter wrote it
-                        if unsent:
-                            yield "".join(unsent)
-                            unsent.clear()
-                        yield line
-                        continue
-                    unsent.append(line if isinstance(line, str) else _line_text(line, sse))
-                    # When the server lags behind the engine (many streams, few cores), each
-                    # chunk costs a syscall and a trip through gunicorn: one for all that is here.
-                    if not coalesce or event.finished or not handle.has_queued_events():
-                        yield "".join(unsent)
-                        unsent.clear()
-            except Exception:
-                if unsent:  # lines made before the failure go out, as they would have alone
-                    yield "".join(unsent)
-                raise
-            if unsent:
-                yield "".join(unsent)
+            # the first line goes through gunicorn, which sends the response's headers with it
+            yield from _by_request_thread(lines_left, handle, written, coalesce,
+                                          until_first_write=sock is not None)
+            if sock is not None and written.last is not None and not written.last.finished:
+                writer = DirectWriter(handle, sock, lines_left, written.text)
+                written.writer = "output_thread"
+                writer.write()
+                if not writer.ended:  # handed back: a slow client, or the loop stopped
+                    written.writer = "handed_back"
+                    yield from _by_request_thread(lines_left, handle, written, coalesce)
+            last = written.last
             if trailer is not None and last is not None and final_error(last) is None:
                 yield _line_text(trailer(last), sse)
             if done_line:  # OpenAI's end-of-stream marker
                 yield "data: [DONE]\n\n"
         finally:
-            handle.abort()  # no-op when finished; frees KV when the client disconnected
-            status = _stream_status(handle, last)
-            if status != 200:
-                state.metrics.on_abort(_abort_reason(handle, last))
-            state.metrics.on_request(status, handle.num_prompt_tokens, times, start,
-                                     time.monotonic())
-            if last is not None:
-                _log(handle, last, start, times)
+            _end_stream(handle, state, written, start)
 
     return Response(generate(), mimetype=SSE if sse else JSONLINES,
                     headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache"})
+
+
+class _Written:
+    """A stream's lines made so far: their text, the times of its tokens, its last event."""
+
+    def __init__(self, sse: bool) -> None:
+        self.sse = sse
+        self.times: list[float] = []
+        self.last: TokenEvent | None = None
+        self.writer = "request_thread"  # who wrote the stream after its first line
+
+    def text(self, line: dict | str | bytes, event: TokenEvent) -> str | bytes:
+        self.last = event
+        if event.token_id is not None:
+            self.times.append(time.monotonic())
+        error = final_error(event) if event.finished else None
+        if error is not None:
+            line = {**error.body(), "error": error.message, "details": {"finish_reason": "error"}}
+        return line if isinstance(line, str | bytes) else _line_text(line, self.sse)
+
+
+def _by_request_thread(lines: Lines, handle: RequestHandle, written: _Written, coalesce: bool,
+                       until_first_write: bool = False) -> Iterator[str | bytes]:
+    unsent: list[str] = []  # lines held while the events behind them are already here
+    try:
+        for line, event in lines:
+            text = written.text(line, event)
+            if isinstance(text, bytes):  # an output formatter wrote it
+                if unsent:
+                    yield "".join(unsent)
+                    unsent.clear()
+                yield text
+                continue
+            unsent.append(text)
+            # When the server lags behind the engine (many streams, few cores), each chunk
+            # costs a syscall and a trip through gunicorn: one for all that is here.
+            if not coalesce or event.finished or not handle.has_queued_events():
+                yield "".join(unsent)
+                unsent.clear()
+                if until_first_write:
+                    return
+    except Exception:
+        if unsent:  # lines made before the failure go out, as they would have alone
+            yield "".join(unsent)
+        raise
+    if unsent:
+        yield "".join(unsent)
+
+
+def _end_stream(handle: RequestHandle, state: ServerState, written: _Written,
+                start: float) -> None:
+    handle.abort()  # no-op when finished; frees KV when the client disconnected
+    last = written.last
+    status = _stream_status(handle, last)
+    if status != 200:
+        state.metrics.on_abort(_abort_reason(handle, last))
+    state.metrics.on_stream(written.writer)
+    state.metrics.on_request(status, handle.num_prompt_tokens, written.times, start,
+                             time.monotonic())
+    if last is not None:
+        _log(handle, last, start, written.times)
 
 
 def _line_text(line: dict, sse: bool) -> str:

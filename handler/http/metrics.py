@@ -38,6 +38,11 @@ class Metrics:
             "batchyard_aborted_requests",
             "Requests ended before they finished, by reason (client_disconnect, shutdown, "
             "timeout, error)", ["reason"], registry=r)
+        self.streams = Counter(
+            "batchyard_streamed_requests",
+            "Streamed responses by the thread that wrote them: output_thread (the engine's "
+            "output thread, one write per step), request_thread, or handed_back (the output "
+            "thread until the client fell behind)", ["writer"], registry=r)
         self.ttft = Histogram("batchyard_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("batchyard_inter_token_latency_seconds", "Gap between tokens",
@@ -102,6 +107,9 @@ class Metrics:
             for before, after in zip(token_times, token_times[1:], strict=False):
                 self.itl.observe(after - before)
         self.e2e.observe(end - start)
+
+    def on_stream(self, writer: str) -> None:
+        self.streams.labels(writer).inc()
 
     def on_abort(self, reason: str) -> None:
         self.aborted.labels(reason).inc()

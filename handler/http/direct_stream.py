@@ -1,0 +1,120 @@
+"""Streams written by the engine's output thread instead of their request threads.
+
+Served the usual way, every token of every stream wakes that stream's request thread, which
+formats one line and writes it through werkzeug and gunicorn: with 32 streams, 32 thread
+switches and GIL hand-offs per engine step, and on a small host more CPU per token in the
+serving process than in the engine core. Here the output thread, which has just turned the
+step's token ids into text, also formats each stream's lines and sends them, one chunk per
+stream per step, without blocking (MSG_DONTWAIT). Its request thread sleeps until the stream
+ends. A client that does not keep up (its socket buffer full) gets the rest of its stream from
+its request thread, as before, so a slow reader never holds up the others.
+
+Only where the bytes would be the same: gunicorn's own client socket, plain TCP, HTTP/1.1 (the
+body in chunks, framed here as gunicorn frames them), and routes whose line maker turns each
+event into exactly one line without user code (a custom output formatter runs on the request
+thread, where a slow one delays only its own stream).
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterator
+
+from engine import RequestHandle, TokenEvent
+
+# How often a waiting request thread checks its client and that the output thread still runs
+# (the same cadence as a request thread reading its events with a cancel check).
+WAIT_SECONDS = 0.1
+Line = tuple[dict | str | bytes, TokenEvent]  # what a route makes of an event
+TextOf = Callable[[dict | str | bytes, TokenEvent], str | bytes]  # a line as written
+
+
+def direct_socket(environ: dict) -> socket.socket | None:
+    """The client's socket when this response's stream may be written around gunicorn."""
+    sock = environ.get("gunicorn.socket")
+    if (not isinstance(sock, socket.socket) or isinstance(sock, ssl.SSLSocket)
+            or environ.get("SERVER_PROTOCOL") != "HTTP/1.1"
+            or environ.get("REQUEST_METHOD") == "HEAD"):
+        return None
+    # gunicorn hands the request a blocking socket; one with a timeout would make send() wait
+    return sock if sock.gettimeout() is None else None
+
+
+def chunk(data: bytes) -> bytes:
+    """One chunk of a chunked HTTP/1.1 body, as gunicorn writes it (never empty: an empty
+    chunk ends the body)."""
+    return b"%X\r\n%b\r\n" % (len(data), data)
+
+
+class DirectWriter:
+    """Writes one stream's lines from the output thread until the stream ends, the client's
+    socket is full or fails, or the output thread stops; the request thread waits in write()."""
+
+    def __init__(self, handle: RequestHandle, sock: socket.socket, lines: Iterator[Line],
+                 text_of: TextOf) -> None:
+        self._handle = handle
+        self._sock = sock
+        self._lines = lines  # one line per event
+        self._text_of = text_of
+        self._lock = threading.Lock()  # held while the lines are advanced: by one thread only
+        self._done = threading.Event()  # the output thread has let go of the stream
+        self._unsent = b""  # a chunk the client's socket did not take whole
+        self._error: BaseException | None = None
+        self.ended = False  # the stream's final line is written
+
+    def write(self) -> None:
+        """Have the output thread write the lines (each made text by `text_of`); return once
+        the stream is written, or once the request thread must write the rest itself (from
+        `lines`, where this left off). Raises what a line maker or the socket raised."""
+        self._handle.on_delivery(self._drive)
+        self._drive()  # what came while the response's headers went out
+        while not self._done.wait(WAIT_SECONDS):
+            self._handle.check_cancel()  # a client gone before its next token
+            if not self._handle.events_may_come():
+                self._let_go()  # the request thread reads the loop's final event itself
+        if self._unsent:
+            self._sock.sendall(self._unsent)  # on the request thread: it may wait
+        if self._error is not None:
+            raise self._error
+
+    def _let_go(self) -> None:
+        with self._lock:
+            self._handle.on_delivery(None)
+            self._done.set()
+
+    def _drive(self) -> None:
+        """The output thread's turn: every queued event's line, in one chunk, without waiting."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            parts: list[bytes] = []
+            try:
+                while not self.ended and self._handle.has_queued_events():
+                    line, event = next(self._lines)
+                    text = self._text_of(line, event)
+                    parts.append(text.encode() if isinstance(text, str) else text)
+                    self.ended = event.finished
+            except StopIteration:
+                self.ended = True
+            except Exception as err:  # a line maker's failure: the request thread raises it
+                self._error = err
+            data = b"".join(parts)
+            sent = self._send(chunk(data)) if data else True
+            if self.ended or self._error is not None or not sent:
+                self._handle.on_delivery(None)
+                self._done.set()
+
+    def _send(self, data: bytes) -> bool:
+        """Send without waiting; False when the socket failed or took part of it (the rest is
+        kept for the request thread)."""
+        try:
+            sent = self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as err:  # the client is gone: as when gunicorn's write fails
+            self._error = err
+            return False
+        self._unsent = data[sent:]
+        return not self._unsent
