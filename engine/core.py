@@ -191,6 +191,10 @@ class ThreadCore:
     def receive(self) -> CoreUpdate | None:
         return self._outbox.get()
 
+    def has_update(self) -> bool:
+        """Whether receive() would return without waiting."""
+        return not self._outbox.empty()
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 

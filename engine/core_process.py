@@ -52,8 +52,9 @@ class _CoreEnd(ABC):
     """What a serving process holds of a core in another process: one connection that request
     threads send on concurrently, and the core's greeting once it has loaded the model."""
 
-    def __init__(self, inbox: Connection) -> None:
+    def __init__(self, inbox: Connection, updates: Connection) -> None:
         self._inbox = inbox
+        self._updates = updates  # what receive() reads
         self._send_lock = threading.Lock()
 
     def send(self, message: CoreMessage | FrontReading) -> None:
@@ -75,6 +76,13 @@ class _CoreEnd(ABC):
     def receive(self) -> CoreUpdate | CoreReady | CoreFailed | None:
         """The core's next word; None once it is gone."""
 
+    def has_update(self) -> bool:
+        """Whether receive() would return without waiting (an end counts: it reads as None)."""
+        try:
+            return self._updates.poll()
+        except (EOFError, OSError):
+            return True
+
     def _why_gone(self) -> str:
         return "it exited"
 
@@ -85,8 +93,8 @@ class ProcessCore(_CoreEnd):
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
         inbox_end, inbox = context.Pipe(duplex=False)
-        super().__init__(inbox)
         self._outbox, outbox_end = context.Pipe(duplex=False)
+        super().__init__(inbox, self._outbox)
         self._process = context.Process(
             target=_core_main, name="engine-core", daemon=True,
             args=(config, inbox_end, outbox_end, logging.getLogger().getEffectiveLevel()))
@@ -131,7 +139,7 @@ class RemoteCore(_CoreEnd):
 
     def __init__(self, path: str, authkey: bytes) -> None:
         self._conn = Client(path, "AF_UNIX", authkey=authkey)  # duplex: sends and updates
-        super().__init__(self._conn)
+        super().__init__(self._conn, self._conn)
         self._gone = threading.Event()  # the core closed our connection
 
     def start(self) -> None:

@@ -26,6 +26,8 @@ _POLL_SECONDS = 0.5  # how often a waiting reader re-checks that events can stil
 # request is aborted within this, queued or running.
 CANCEL_CHECK_SECONDS = 0.1
 _ABORT_WAIT_SECONDS = 2.0  # shutdown: how long aborted requests get to receive their end
+# At most this many core updates (steps) delivered together by an output thread behind the core.
+MAX_UPDATES_AT_ONCE = 64
 
 
 class QueueFullError(RuntimeError):
@@ -44,6 +46,7 @@ class Core(Protocol):
     def start(self) -> None: ...
     def send(self, message: CoreMessage) -> None: ...
     def receive(self) -> CoreUpdate | None: ...
+    def has_update(self) -> bool: ...
     def is_alive(self) -> bool: ...
     def join(self, timeout: float) -> bool: ...
 
@@ -227,18 +230,38 @@ class EngineLoop:
     # --- the output thread ---
 
     def _emit(self) -> None:
-        while (update := self._core.receive()) is not None:
-            self._gauges = update.gauges  # first: a caller that sees its end sees its KV freed
-            if update.stats is not None and self._on_step is not None:
-                try:
-                    self._on_step(update.stats)
-                except Exception:  # metrics must never stop the events
-                    logger.exception("on_step failed")
-            if update.outputs:
-                self._deliver(update.outputs)
+        ended = False
+        while not ended:
+            updates, ended = self._updates_here()
+            if updates:  # first: a caller that sees its end sees its KV freed
+                self._gauges = updates[-1].gauges
+            for update in updates:
+                if update.stats is not None and self._on_step is not None:
+                    try:
+                        self._on_step(update.stats)
+                    except Exception:  # metrics must never stop the events
+                        logger.exception("on_step failed")
+            outputs = [out for update in updates for out in update.outputs]
+            if outputs:
+                self._deliver(outputs)
         with self._lock:  # the core is done: whatever is left never reached it
             handles = list(self._handles.values())
         self._dispatch([handle._dead_event() for handle in handles])
+
+    def _updates_here(self) -> tuple[list[CoreUpdate], bool]:
+        """The core's next update, and every later one already here: an output thread that
+        fell behind (a busy serving process) catches up by delivering several steps at once,
+        one write per stream. True once the core has said its last."""
+        update = self._core.receive()
+        if update is None:
+            return [], True
+        updates = [update]
+        while len(updates) < MAX_UPDATES_AT_ONCE and self._core.has_update():
+            update = self._core.receive()
+            if update is None:
+                return updates, True
+            updates.append(update)
+        return updates, False
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         try:

@@ -3,9 +3,11 @@ and /ping following the loop's life."""
 
 from __future__ import annotations
 
+import queue
 import time
 
 import pytest
+from transformers import AutoTokenizer
 
 from engine import (
     EngineClient,
@@ -16,7 +18,11 @@ from engine import (
     RequestError,
     SamplingParams,
 )
+from engine.core import CoreUpdate
 from engine.guided import GuidedDecoding
+from engine.loop import EngineLoop
+from engine.output_processor import StepOutput
+from engine.outputs import Gauges, StepStats
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
@@ -201,3 +207,55 @@ def test_gauges_show_a_request_gone_as_soon_as_its_last_event_arrives(served) ->
     gauges = served.gauges()
     assert (gauges.kv_blocks_used, gauges.num_running, gauges.num_in_flight) == (0, 0, 0)
     assert gauges.alive and gauges.kv_blocks_total > 0
+
+
+class _CoreAhead:
+    """A core that has run ahead of the output thread: its updates are all waiting."""
+
+    def __init__(self, updates: list) -> None:
+        self.initial_gauges = _gauges(0)
+        self._updates = queue.SimpleQueue()
+        for update in updates:
+            self._updates.put(update)
+        self.sent: list = []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+    def receive(self):
+        return self._updates.get()
+
+    def has_update(self) -> bool:
+        return not self._updates.empty()
+
+    def start(self) -> None: ...
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def _gauges(running: int) -> Gauges:
+    return Gauges(True, running, 0, running, running, 8, 16, 4, 0.0)
+
+
+def _step(request_id: str, n: int, last: bool = False) -> CoreUpdate:
+    out = StepOutput(request_id, 100 + n, -0.1, 3, n, "length" if last else None)
+    stats = StepStats(1, 0, 1, 0, 1, 1, 8, 0, 0.001)
+    return CoreUpdate([out], _gauges(0 if last else 1), stats)
+
+
+def test_an_output_thread_behind_the_core_delivers_every_waiting_step_at_once(model_dir) -> None:
+    """Steps already waiting reach each request together (one listener call: one write per
+    stream), in order, each step's facts still reported; the gauges are the newest."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    core = _CoreAhead([_step("a-0", 1), _step("a-0", 2), _step("a-0", 3, last=True), None])
+    steps: list[StepStats] = []
+    loop = EngineLoop(core, tokenizer, 4, 4, on_step=steps.append, id_prefix="a-")
+    handle = loop.submit([request(SamplingParams(max_new_tokens=3))])[0]
+    calls: list[int] = []
+    handle.on_delivery(lambda: calls.append(handle._events.qsize()))
+    loop.start()
+    events = collect(handle)
+    assert [e.token_id for e in events] == [101, 102, 103] and events[-1].finished
+    assert calls == [3]  # the three steps in one delivery
+    assert len(steps) == 3 and loop.gauges().num_running == 0
