@@ -16,7 +16,7 @@ from gunicorn import util
 
 from engine.loop import EngineLoop, RequestHandle
 from engine.outputs import TokenEvent
-from handler.http.direct_stream import DirectWriter, chunk, direct_socket
+from handler.http.direct_stream import REFRAMED, DirectWriter, chunk, direct_socket
 
 WAIT = 10  # seconds a test waits for a thread before calling it stuck
 
@@ -268,6 +268,7 @@ def test_which_responses_may_be_written_around_gunicorn(pair) -> None:
     assert direct_socket(ok) is server
     assert direct_socket({**ok, "SERVER_PROTOCOL": "HTTP/1.0"}) is None  # not chunked
     assert direct_socket({**ok, "REQUEST_METHOD": "HEAD"}) is None
+    assert direct_socket({**ok, REFRAMED: True}) is None  # SageMaker's event stream wraps it
     assert direct_socket({k: v for k, v in ok.items() if k != "gunicorn.socket"}) is None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # what gunicorn's certfile gives
     tls = context.wrap_socket(socket.socket(), server_side=True, do_handshake_on_connect=False)

@@ -31,10 +31,16 @@ Line = tuple[dict | str | bytes, TokenEvent]  # what a route makes of an event
 TextOf = Callable[[dict | str | bytes, TokenEvent], str | bytes]  # a line as written
 
 
+# Set in a request's environ by a route that re-frames the body it wraps (the SageMaker runtime's
+# event stream): those bytes must all pass through the wrapper.
+REFRAMED = "batchyard.reframed_body"
+
+
 def direct_socket(environ: dict) -> socket.socket | None:
     """The client's socket when this response's stream may be written around gunicorn."""
     sock = environ.get("gunicorn.socket")
-    if (not isinstance(sock, socket.socket) or isinstance(sock, ssl.SSLSocket)
+    if (environ.get(REFRAMED) or not isinstance(sock, socket.socket)
+            or isinstance(sock, ssl.SSLSocket)
             or environ.get("SERVER_PROTOCOL") != "HTTP/1.1"
             or environ.get("REQUEST_METHOD") == "HEAD"):
         return None

@@ -16,8 +16,9 @@ import logging
 import struct
 from collections.abc import Callable, Iterable, Iterator
 
-from flask import Response
+from flask import Response, request
 
+from handler.http.direct_stream import REFRAMED
 from handler.http.schemas import HTTPError
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ def invoke(serve: Callable[[], Response]) -> Response:
 
 def invoke_stream(serve: Callable[[], Response]) -> Response:
     """invoke_endpoint_with_response_stream: the container's chunks as PayloadPart events."""
+    request.environ[REFRAMED] = True  # every chunk through _events, none written around it
     inner = serve()
     return Response(_events(inner.response, inner.close), mimetype=EVENT_STREAM,
                     headers={"X-Amzn-SageMaker-Content-Type": inner.mimetype or "",
