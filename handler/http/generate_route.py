@@ -40,9 +40,11 @@ def serve_generate(state: ServerState, body: dict, accept: str, start: float) ->
         lines = generate_lines(gen, handles[0], decode)
         if name == "tgi":
             lines = _tgi_lines(lines, gen.params.seed)
-        # one line per event (generate_lines, _tgi_lines and a formatter map them 1:1)
+        # one line per event (generate_lines, _tgi_lines and a formatter map them 1:1); a
+        # custom output formatter (user code) runs on the request thread, never the output one
         return stream_response(formatters.stream(lines), handles[0], state, sse=sse,
-                               done_line=False, start=start, coalesce=True)
+                               done_line=False, start=start, coalesce=True,
+                               direct=formatters.output_fn is None)
     answers = collect_all(state, handles, start)  # one failed input aborts the rest
     results = [generation_dict(events, text, gen, decode=decode, prompt_ids=ids)
                for events, text, ids in zip(answers, gen.inputs, prompts, strict=True)]

@@ -160,13 +160,15 @@ def generate_lines(gen: GenerateRequest, handle: RequestHandle, decode: Decode) 
 def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, sse: bool,
                     done_line: bool, start: float,
                     trailer: Callable[[TokenEvent], dict] | None = None,
-                    coalesce: bool = False) -> Response:
+                    coalesce: bool = False, direct: bool = False) -> Response:
     """Write lines as they come; a client that goes away aborts its request (frees its KV).
     `trailer` makes one more line from the last event of a request that ended well (OpenAI's
     usage chunk). `coalesce` (for `lines` that make one line of every event): the lines of
-    events already queued go out in one write, and, where the response allows it, the engine's
-    output thread writes them (handler/http/direct_stream.py)."""
-    sock = direct_socket(request.environ) if coalesce and has_request_context() else None
+    events already queued go out in one write. `direct` (coalescing lines made without user
+    code): where the response allows it, the engine's output thread writes them
+    (handler/http/direct_stream.py)."""
+    sock = (direct_socket(request.environ) if coalesce and direct and has_request_context()
+            else None)
     written = _Written(sse)
 
     def generate() -> Iterator[str | bytes]:
