@@ -6,17 +6,20 @@ reordering a byte, and without ever blocking the delivering thread."""
 
 from __future__ import annotations
 
+import json
 import socket
 import ssl
 import threading
 from types import SimpleNamespace
 
 import pytest
+from flask import Flask
 from gunicorn import util
 
 from engine.loop import EngineLoop, RequestHandle
 from engine.outputs import TokenEvent
 from handler.http.direct_stream import REFRAMED, DirectWriter, chunk, direct_socket
+from handler.http.generation import stream_response
 
 WAIT = 10  # seconds a test waits for a thread before calling it stuck
 
@@ -278,3 +281,39 @@ def test_which_responses_may_be_written_around_gunicorn(pair) -> None:
         tls.close()
     server.settimeout(5)  # send() would wait
     assert direct_socket(ok) is None
+
+
+def test_stream_response_hands_a_full_socket_back_to_its_request_thread() -> None:
+    """Through stream_response as a route runs it: the first line and everything after the
+    hand-back go out through the WSGI body (gunicorn), the steps between from the delivering
+    thread straight to the socket; the metrics name the stream handed_back."""
+    server, client = _tcp_pair(buffer=4096)
+    loop = _Loop()
+    writers: list[str] = []
+    metrics = SimpleNamespace(on_abort=lambda *a: None, on_request=lambda *a: None,
+                              on_stream=writers.append)
+    made_on: list[str] = []
+    big = "x" * 500_000
+    environ = {"gunicorn.socket": server, "SERVER_PROTOCOL": "HTTP/1.1"}
+    try:
+        with Flask(__name__).test_request_context("/", method="POST",
+                                                  environ_overrides=environ):
+            response = stream_response(_lines(loop.handle, made_on), loop.handle,
+                                       SimpleNamespace(metrics=metrics), sse=False,
+                                       done_line=False, start=0.0, coalesce=True, direct=True)
+        loop.handle._events.put(_event(0))
+        body: list[str] = []
+        request = threading.Thread(target=lambda: body.extend(response.response), daemon=True)
+        request.start()
+        _until_listening(loop)  # the first line went out through the body
+        loop.deliver(_event(1, text=big))  # does not fit: handed back
+        direct = chunk(json.dumps({"id": 11, "text": big}).encode() + b"\n")
+        assert _read_exactly(client, len(direct)) == direct
+        loop.deliver(_event(2, last=True))
+        request.join(WAIT)
+        assert not request.is_alive()
+        assert [json.loads(line)["id"] for line in "".join(body).splitlines()] == [10, 12]
+        assert writers == ["handed_back"]
+    finally:
+        server.close()
+        client.close()
