@@ -61,7 +61,10 @@ def test_a_list_of_prompts_answers_one_choice_each_in_order(server) -> None:
 
 
 def test_chat_streams_sse_chunks_with_the_same_text_and_usage(server) -> None:
+    """Written by the engine's output thread (one choice), as every one-choice stream is."""
     api = client(server)
+    by_output_thread = 'batchyard_streamed_requests_total{writer="output_thread"}'
+    before = server[0].metric(by_output_thread)
     whole = api.chat.completions.create(model=server[1], messages=CHAT, **GREEDY)
     chunks = list(api.chat.completions.create(model=server[1], messages=CHAT, stream=True,
                                               stream_options={"include_usage": True},
@@ -69,6 +72,7 @@ def test_chat_streams_sse_chunks_with_the_same_text_and_usage(server) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content and text
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert server[0].metric(by_output_thread) == before + 1
 
 
 def test_a_v1_stream_is_sse_whatever_the_accept_header(server) -> None:

@@ -19,7 +19,14 @@ from handler.http.chat import (
 )
 from handler.http.choices import HandleGroup, one_stream
 from handler.http.completions import usage_chunk
-from handler.http.generation import Lines, admit, collect_all, stream_response, submit
+from handler.http.generation import (
+    Lines,
+    admit,
+    collect_all,
+    line_text,
+    stream_response,
+    submit,
+)
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
 from handler.http.tools import CALL_OPEN, CallStream, history
@@ -47,13 +54,14 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
         raise
     if chat.stream:
         handle, index = one_stream(handles)
-        lines, streams = _chunks(state, chat, handle, index)
+        lines, streams = _chunks(state, chat, handle, index, sse)
         trailer = (lambda _: usage_chunk(chat.completion_id, "chat.completion.chunk",
                                          chat.created, state.model_name,
                                          [s.last for s in streams])
                    ) if chat.include_usage else None
+        one = chat.n == 1  # n choices merge their events on threads: no queue to look into
         return stream_response(lines, handle, state, sse=sse, done_line=sse, start=start,
-                               trailer=trailer)
+                               trailer=trailer, coalesce=one, direct=one)
     answers = collect_all(state, handles, start)
     return Response(json.dumps(chat_completion(chat, state.model_name, answers,
                                                decode=engine.decode)),
@@ -116,14 +124,15 @@ def _merged(entries: list[dict]) -> list[dict]:
 
 
 def _chunks(state: ServerState, chat: ChatRequest, handle: RequestHandle | HandleGroup,
-            index: dict[str, int]) -> tuple[Lines, list[ChoiceStream]]:
-    """Each choice's chunks, in the order their events come."""
+            index: dict[str, int], sse: bool) -> tuple[Lines, list[ChoiceStream]]:
+    """Each choice's chunks, in the order their events come: one line per event, holding
+    the event's chunks, none while a tool call is being decided, or several."""
     streams = [ChoiceStream(chat, state.model_name, state.engine.decode, i)
                for i in range(chat.n)]
 
     def lines() -> Lines:
         for event in handle.events():
-            for chunk in streams[index[event.request_id]].feed(event):
-                yield chunk, event
+            chunks = streams[index[event.request_id]].feed(event)
+            yield "".join(line_text(chunk, sse) for chunk in chunks), event
 
     return lines(), streams

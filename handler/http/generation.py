@@ -183,10 +183,12 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
                 writer.write()
                 if not writer.ended:  # handed back: a slow client, or the loop stopped
                     written.writer = "handed_back"
-                    yield from _by_request_thread(lines_left, handle, written, coalesce)
+                # the rest of a stream handed back; after the end, what the line makers do
+                # once resumed past their last line (e.g. keep it for the usage trailer)
+                yield from _by_request_thread(lines_left, handle, written, coalesce)
             last = written.last
             if trailer is not None and last is not None and final_error(last) is None:
-                yield _line_text(trailer(last), sse)
+                yield line_text(trailer(last), sse)
             if done_line:  # OpenAI's end-of-stream marker
                 yield "data: [DONE]\n\n"
         finally:
@@ -212,7 +214,7 @@ class _Written:
         error = final_error(event) if event.finished else None
         if error is not None:
             line = {**error.body(), "error": error.message, "details": {"finish_reason": "error"}}
-        return line if isinstance(line, str | bytes) else _line_text(line, self.sse)
+        return line if isinstance(line, str | bytes) else line_text(line, self.sse)
 
 
 def _by_request_thread(lines: Lines, handle: RequestHandle, written: _Written, coalesce: bool,
@@ -257,7 +259,7 @@ def _end_stream(handle: RequestHandle, state: ServerState, written: _Written,
         _log(handle, last, start, written.times)
 
 
-def _line_text(line: dict, sse: bool) -> str:
+def line_text(line: dict, sse: bool) -> str:
     return f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
 
 

@@ -51,8 +51,9 @@ def serve_completions(state: ServerState, body: dict, start: float) -> Response:
         trailer = (lambda _: usage_chunk(req.completion_id, "text_completion", req.created,
                                          model, [lasts[i] for i in sorted(lasts)])
                    ) if req.include_usage else None
+        one = req.n == 1  # n choices merge their events on threads: no queue to look into
         return stream_response(lines(), handle, state, sse=True, done_line=True, start=start,
-                               trailer=trailer)
+                               trailer=trailer, coalesce=one, direct=one)
     answers = collect_all(state, handles, start)
     return Response(json.dumps(completion(req, model, answers, decode=decode)), status=200,
                     mimetype="application/json")
