@@ -10,9 +10,9 @@ ends. A client that does not keep up (its socket buffer full) gets the rest of i
 its request thread, as before, so a slow reader never holds up the others.
 
 Only where the bytes would be the same: gunicorn's own client socket, plain TCP, HTTP/1.1 (the
-body in chunks, framed here as gunicorn frames them), and routes whose line maker turns each
-event into exactly one line without user code (a custom output formatter runs on the request
-thread, where a slow one delays only its own stream).
+body in chunks, framed here as gunicorn frames them), no wrapper re-framing the body, and
+routes whose line maker turns each event into exactly one line without user code (a custom
+output formatter runs on the request thread, where a slow one delays only its own stream).
 """
 
 from __future__ import annotations
