@@ -93,8 +93,8 @@ class ProcessCore(_CoreEnd):
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
         inbox_end, inbox = context.Pipe(duplex=False)
-        self._outbox, outbox_end = context.Pipe(duplex=False)
-        super().__init__(inbox, self._outbox)
+        updates, outbox_end = context.Pipe(duplex=False)
+        super().__init__(inbox, updates)
         self._process = context.Process(
             target=_core_main, name="engine-core", daemon=True,
             args=(config, inbox_end, outbox_end, logging.getLogger().getEffectiveLevel()))
@@ -111,7 +111,7 @@ class ProcessCore(_CoreEnd):
 
     def receive(self) -> CoreUpdate | CoreReady | CoreFailed | None:
         try:
-            return self._outbox.recv()
+            return self._updates.recv()
         except (EOFError, OSError):
             return None
 
