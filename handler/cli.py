@@ -9,8 +9,12 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from handler.config.properties import ConfigError, collect_settings, model_id_setting
+
+if TYPE_CHECKING:
+    from handler.http.state import ServerState
 
 logger = logging.getLogger("batchyard")
 
@@ -68,7 +72,6 @@ def run_serve(args: argparse.Namespace) -> int:
         # Before prometheus_client is imported (it picks its storage then); in the core's
         # directory, which goes with it, even if this process is killed.
         os.environ[MULTIPROC_ENV] = core.scratch_dir("metrics")
-    from engine import freeze_start_up_heap
     from handler.http.server import exit_on_engine_death, exit_on_load_failure, run_server
     from handler.http.state import ServerState
 
@@ -92,7 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
         run_server(lambda: ServerState(config, prepare, exit_on_load_failure, delay,
                                        on_engine_death=exit_on_engine_death,
                                        core_address=core.address if core else None,
-                                       before_ready=freeze_start_up_heap),
+                                       before_ready=on_ready),
                    args.host, port, threads, config.drain_timeout, config.api_server_count,
                    on_exit)
     finally:  # also where gunicorn leaves without its on_exit hook (e.g. the port is taken);
@@ -100,6 +103,16 @@ def run_serve(args: argparse.Namespace) -> int:
         if on_exit is not None and os.getpid() == master:
             on_exit()
     return 0
+
+
+def on_ready(state: ServerState) -> None:
+    """In each HTTP process, once its engine is up and before /ping says so."""
+    from engine import freeze_start_up_heap
+    from handler.cpu_priority import step_back_for_core
+
+    freeze_start_up_heap()
+    if state.serves_core_process():  # a core on a thread of this process would slow down too
+        step_back_for_core(state.config.api_server_nice, state.config.api_server_count)
 
 
 def passive_openmp(environ) -> None:

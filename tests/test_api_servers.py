@@ -49,6 +49,20 @@ def answering_workers(log: str) -> set[str]:
             for line in log.splitlines() if "request req-" in line}
 
 
+def children(pid: int) -> list[int]:
+    """The processes `pid` forked that still run its command line."""
+    command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and Path(f"/proc/{name}/cmdline").read_bytes() == command:
+                found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
 def core_pid_and_dir(log: str) -> tuple[int, Path]:
     line = log.split("engine core process ")[1].splitlines()[0]
     return int(line.split()[0]), Path(line.split(" connect to it in ")[1])
@@ -58,7 +72,7 @@ def test_two_http_processes_share_one_core(model_dir, tmp_path) -> None:
     with running_server(tmp_path, model_dir, PAGED) as one:
         expected = texts(one.url)
     with running_server(tmp_path, model_dir, PAGED + "option.api_server_count=2\n"
-                        ) as two:
+                        "option.api_server_nice=3\n") as two:
         rounds = 1
         assert texts(two.url) == expected
         while len(answering_workers(two.log())) < 2:  # the kernel picks the worker
@@ -69,6 +83,13 @@ def test_two_http_processes_share_one_core(model_dir, tmp_path) -> None:
         assert "(2 workers," in log and "a serving process connected (2 now)" in log
         assert log.count("connected to the engine core") == 2
         assert log.count("engine ready:") == 1  # the model was loaded once
+        # both HTTP processes step back for the shared core, which keeps the server's priority
+        base = os.getpriority(os.PRIO_PROCESS, two.process.pid)
+        workers = children(two.process.pid)  # forks of the master: its command line
+        assert len(workers) == 2 and log.count("HTTP threads at niceness +3") == 2
+        assert {os.getpriority(os.PRIO_PROCESS, int(tid)) for w in workers
+                for tid in os.listdir(f"/proc/{w}/task")} == {min(19, base + 3)}
+        assert os.getpriority(os.PRIO_PROCESS, core_pid_and_dir(log)[0]) == base
         # Either worker answers the scrape, and it counts the requests both answered, and
         # each engine step once (its facts reach one worker only).
         requests_made = rounds * len(PROMPTS)

@@ -9,10 +9,12 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
 
+from handler.cpu_priority import usable_cpus
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import first_answer, running_server, server_argv, wait_for_ping
 
@@ -60,6 +62,43 @@ def test_the_worker_and_its_core_freeze_their_start_up_heap(server) -> None:
     frozen = [line for line in server.log().splitlines() if "start-up heap frozen" in line]
     assert len(frozen) == 2
     assert sum("engine-core" in line for line in frozen) == 1
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and _stat(f"/proc/{entry.name}")["ppid"] == pid:
+                kids.append(int(entry.name))
+        except OSError:
+            continue
+    return kids
+
+
+def _stat(path: str) -> dict[str, int]:
+    """Two fields of /proc's stat for a process or thread (those after the command name)."""
+    fields = Path(path, "stat").read_text().rsplit(")", 1)[1].split()
+    return {"ppid": int(fields[1]), "nice": int(fields[16])}
+
+
+def _thread_nices(pid: int) -> set[int]:
+    return {_stat(str(task))["nice"] for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def test_http_threads_step_back_for_the_engine_core_process(server) -> None:
+    """Every thread of the HTTP worker, those started for requests too, runs at the niceness
+    the log states (auto: 19 with 2+ CPUs, else none); its engine core keeps the server's."""
+    assert len(many_clients(server.url, 8)) == 8  # request threads started after the step
+    master = server.process.pid
+    (worker,) = _children(master)
+    (core,) = [pid for pid in _children(worker)  # not multiprocessing's resource tracker
+               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    line = next(x for x in server.log().splitlines() if "HTTP threads" in x)
+    step = 0 if "keep their CPU priority" in line else int(line.split("niceness +")[1].split()[0])
+    base = _stat(f"/proc/{master}")["nice"]
+    assert _thread_nices(worker) == {min(19, base + step)}
+    assert _thread_nices(core) == {base}
+    assert (step == 19) == (usable_cpus() > 1 and "=auto" in line)
 
 
 def test_list_inputs_answer_a_list_in_order(server) -> None:

@@ -102,6 +102,10 @@ def test_rolling_batch_with_batch_size_is_an_error() -> None:
     ("option.api_server_count=2\noption.engine_process=false", "option.api_server_count='2'"),
     ("option.api_server_count=2\noption.entryPoint=my_handler",
      "option.api_server_count='2'"),
+    ("option.api_server_nice=20", "option.api_server_nice='20'"),
+    ("option.api_server_nice=-1", "option.api_server_nice='-1'"),
+    ("option.api_server_nice=low", "option.api_server_nice='low'"),
+    ("option.api_server_nice=5\noption.engine_process=false", "option.api_server_nice='5'"),
 ])
 def test_bad_values_name_key_value_source_and_allowed(text, key) -> None:
     with pytest.raises(ConfigError) as err:
@@ -118,6 +122,14 @@ def test_api_server_count_shares_one_core_and_keeps_lmi_handlers() -> None:
     # LMI's own handler names the built-in engine: several HTTP processes are fine.
     assert resolve("option.api_server_count=2\noption.entryPoint=djl_python.lmi_vllm."
                    "vllm_async_service").api_server_count == 2
+
+
+def test_api_server_nice_is_auto_unless_set() -> None:
+    assert resolve().api_server_nice is None and "api_server_nice" not in resolve().describe()
+    assert resolve("option.api_server_nice=AUTO").api_server_nice is None
+    cfg = resolve("option.api_server_nice=7")
+    assert cfg.api_server_nice == 7 and "api_server_nice=7" in cfg.describe()
+    assert resolve("option.api_server_nice=0\noption.engine_process=false").api_server_nice == 0
 
 
 def test_sizes_and_types() -> None:

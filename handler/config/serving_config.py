@@ -33,6 +33,7 @@ from handler.config.properties import (
     model_id_setting,
 )
 from handler.config.reader import Reader
+from handler.cpu_priority import MAX_NICE
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class ServingConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     engine_process: bool = True  # the engine core in a process of its own (else a thread)
     api_server_count: int = 1  # HTTP processes (gunicorn workers) sharing that core process
+    api_server_nice: int | None = None  # their threads' niceness step; None: auto
     model_id: str | None = None
     strategy_reason: str = "default"
     lmi: LmiOptions = field(default_factory=LmiOptions)
@@ -72,6 +74,8 @@ class ServingConfig:
                  f"engine_process={self.engine_process}"]
         if self.api_server_count > 1:
             parts.append(f"api_server_count={self.api_server_count}")
+        if self.api_server_nice is not None:
+            parts.append(f"api_server_nice={self.api_server_nice}")
         if e.quantize:
             parts.append(f"quantize={e.quantize}")
         if e.model_impl != "auto":
@@ -159,6 +163,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
         max_request_bytes=r.size("option.max_request_size") or DEFAULT_MAX_REQUEST_BYTES,
         engine_process=engine_process,
         api_server_count=read_api_server_count(r, engine_process, lmi),
+        api_server_nice=read_api_server_nice(r, engine_process),
         model_id=model_id_setting(settings), strategy_reason=why, lmi=lmi,
         settings=dict(settings))
 
@@ -175,6 +180,19 @@ def read_api_server_count(r: Reader, engine_process: bool, lmi: LmiOptions) -> i
         r.fail("option.api_server_count", "1 with a custom handler (option.entryPoint): each "
                "HTTP process would load its own copy of the handler's model")
     return count
+
+
+def read_api_server_nice(r: Reader, engine_process: bool) -> int | None:
+    """How far the HTTP threads step back for the engine core process (None: auto)."""
+    value = r.raw("option.api_server_nice")
+    if value is None or value.lower() == "auto":
+        return None
+    if not value.isdigit() or int(value) > MAX_NICE:
+        r.fail("option.api_server_nice", f"auto or an integer between 0 and {MAX_NICE}")
+    if int(value) > 0 and not engine_process:
+        r.fail("option.api_server_nice", "auto or 0 with option.engine_process=false (the "
+               "engine core then runs on a thread of the HTTP process and would slow down too)")
+    return int(value)
 
 
 def read_tensor_parallel(r: Reader) -> int:

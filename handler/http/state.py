@@ -32,7 +32,7 @@ class ServerState:
                  load_delay: float = 0.0,
                  on_engine_death: Callable[[], None] | None = None,
                  core_address: CoreAddress | None = None,
-                 before_ready: Callable[[], None] | None = None) -> None:
+                 before_ready: Callable[[ServerState], None] | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
         self.model_name = Path(config.engine.model).name
@@ -62,6 +62,10 @@ class ServerState:
             return self.runner.alive()
         return self.client is not None and self.client.gauges().alive
 
+    def serves_core_process(self) -> bool:
+        """Whether this process serves an engine core that runs in a process of its own."""
+        return self.runner is None and self.client is not None and self.config.engine_process
+
     @property
     def engine(self) -> EngineClient:
         """The running engine; only called on paths that checked ready()."""
@@ -79,7 +83,7 @@ class ServerState:
 
     def _become_ready(self) -> None:
         if self._before_ready is not None:
-            self._before_ready()
+            self._before_ready(self)
         self.status = "ready"
 
     def _watch_engine(self) -> None:
