@@ -14,7 +14,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, Pipe, wait
 
 from engine.core import CoreUpdate
-from engine.core_process import CoreFailed, CoreReady, FrontReading
+from engine.core_process import CoreFailed, CoreReady, FrontReading, send_message
 from engine.inputs import AbortRequest, AddRequest, StopCore
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,6 @@ class Fronts:
 
     def _send(self, conn: Connection, update: CoreUpdate | None) -> None:
         try:
-            conn.send(update)
+            send_message(conn, update)
         except OSError:  # it died; receive() finds its EOF and aborts its requests
             pass

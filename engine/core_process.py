@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -48,6 +49,13 @@ class CoreFailed:
     message: str
 
 
+def send_message(conn: Connection, message: object) -> None:
+    """Connection.send without its ForkingPickler, which copies copyreg's dispatch table for
+    every message (4x the pickling itself, and the core publishes every step): no message
+    between a core and its fronts carries a handle that needs its reducers. recv() reads it."""
+    conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+
 class _CoreEnd(ABC):
     """What a serving process holds of a core in another process: one connection that request
     threads send on concurrently, and the core's greeting once it has loaded the model."""
@@ -60,7 +68,7 @@ class _CoreEnd(ABC):
     def send(self, message: CoreMessage | FrontReading) -> None:
         with self._send_lock:
             try:
-                self._inbox.send(message)
+                send_message(self._inbox, message)
             except OSError:  # the core is gone; receive() reports it
                 pass
 
@@ -197,7 +205,7 @@ class _Pipes:
         if self._front_gone:
             return
         try:
-            self._outbox.send(update)
+            send_message(self._outbox, update)
         except OSError:
             self._front_gone = True
 

@@ -12,7 +12,8 @@ import pytest
 from engine.loop import RequestHandle
 from engine.outputs import TokenEvent
 from handler.cli import passive_openmp
-from handler.http.generation import stream_response
+from handler.http.generation import line_text, stream_response
+from handler.http.schemas import token_dict, token_line_json
 
 NUM_EVENTS = 5
 
@@ -98,3 +99,32 @@ def test_core_process_openmp_waits_passively_unless_the_user_chose() -> None:
         environ = dict(chosen)
         passive_openmp(environ)
         assert environ == chosen
+
+
+TEXTS = ["", " hello", "é", "日本語", "🙂", 'say "hi"\\', "tab\tnew\nline\r\x00\x1f\x7f", "\ud800"]
+LOGPROBS = [None, -0.5, 0.0, -0.0, -1e-300, -123456.789, -2.220446049250313e-16]
+
+
+@pytest.mark.parametrize("sse", [False, True])
+def test_a_token_line_is_the_text_json_dumps_makes(sse) -> None:
+    for i, (text, logprob) in enumerate((t, lp) for t in TEXTS for lp in LOGPROBS):
+        line = {"token": token_dict(TokenEvent("r", i * 7919, text, logprob, 3, 1, None))}
+        assert token_line_json(line) is not None  # the fast path, not the fallback
+        body = json.dumps(line)
+        assert line_text(line, sse) == (f"data: {body}\n\n" if sse else body + "\n")
+
+
+@pytest.mark.parametrize("line", [
+    {"token": {"id": 1, "text": "a", "log_prob": float("nan")}},  # json.dumps writes NaN
+    {"token": {"id": 1, "text": "a", "log_prob": float("-inf")}},
+    {"token": {"id": True, "text": "a", "log_prob": -1.0}},
+    {"token": {"id": 1, "text": None, "log_prob": -1.0}},
+    {"token": {"text": "a", "id": 1, "log_prob": -1.0}},  # another key order
+    {"token": {"id": 1, "text": "a", "log_prob": -1.0, "special": False}},
+    {"token": {"id": 1, "text": "a", "log_prob": -1.0}, "generated_text": "a"},
+    {"token": {"id": 1, "text": "a", "log_prob": -1}},  # an int log_prob
+    {"details": None},
+])
+def test_any_other_line_is_left_to_json_dumps(line) -> None:
+    assert token_line_json(line) is None
+    assert line_text(line, False) == json.dumps(line) + "\n"

@@ -31,6 +31,7 @@ from handler.http.schemas import (
     details_dict,
     final_error,
     token_dict,
+    token_line_json,
     top_tokens,
 )
 from handler.http.state import ServerState
@@ -260,7 +261,8 @@ def _end_stream(handle: RequestHandle, state: ServerState, written: _Written,
 
 
 def line_text(line: dict, sse: bool) -> str:
-    return f"data: {json.dumps(line)}\n\n" if sse else json.dumps(line) + "\n"
+    body = token_line_json(line) or json.dumps(line)
+    return f"data: {body}\n\n" if sse else body + "\n"
 
 
 def _stream_status(handle: RequestHandle, last: TokenEvent | None) -> int:
