@@ -4,7 +4,7 @@ Every engine step holds up every stream, whereas the HTTP side can fall behind a
 catch up in one go (its output thread delivers several steps at once). On a 2-vCPU host the
 core, its HTTP worker and anything else (a load generator, a sidecar) want more CPU than there
 is, and a core that waits for a CPU waits with all its sequences: there, the HTTP threads at
-niceness 19 raised served req/s by ~30-45 % with the same time to first token
+niceness 19 raised served req/s by 31-51 % with the same time to first byte
 (docs/benchmark/cpu-2026-11-26-nice/). With a single CPU the HTTP side would starve instead
 (it must hand the core its requests), so `auto` steps back only where the host has a CPU for
 the core besides one per HTTP process.
