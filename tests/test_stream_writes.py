@@ -12,6 +12,8 @@ import pytest
 from engine.loop import RequestHandle
 from engine.outputs import TokenEvent
 from handler.cli import passive_openmp
+from handler.http.chat import parse_chat
+from handler.http.chat_route import ChoiceStream, _plain_content
 from handler.http.generation import line_text, stream_response
 from handler.http.schemas import token_dict, token_line_json
 
@@ -128,3 +130,41 @@ def test_a_token_line_is_the_text_json_dumps_makes(sse) -> None:
 def test_any_other_line_is_left_to_json_dumps(line) -> None:
     assert token_line_json(line) is None
     assert line_text(line, False) == json.dumps(line) + "\n"
+
+
+def _chat_events(texts: list[str]) -> list[TokenEvent]:
+    return [TokenEvent("r", 10 + i, text, -0.25, 3, i + 1,
+                       "length" if i == len(texts) - 1 else None) for i, text in enumerate(texts)]
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"n": 2, "stream_options": {"include_usage": True}},
+    {"logprobs": True, "top_logprobs": 2},  # every chunk carries logprobs: json.dumps
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+])
+@pytest.mark.parametrize("sse", [False, True])
+def test_a_chat_streams_lines_are_the_text_json_dumps_makes(body, sse) -> None:
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "stream": True, **body},
+                      wants_stream=True)
+    texts = ["", "Hé", " 日本", '"q"\\', "\n\t\x01", "🙂", "end"]
+    for index in range(chat.n):
+        stream = ChoiceStream(chat, "m/odel", lambda ids: "x", index)
+        chunks = [c for event in _chat_events(texts) for c in stream.feed(event)]
+        assert [stream.line(c, sse) for c in chunks] == [line_text(c, sse) for c in chunks]
+        plain = [c for c in chunks if _plain_content(c) is not None]
+        # the middle tokens' chunks take the template, unless logprobs ride on every chunk
+        assert len(plain) == (0 if chat.logprobs else len(texts) - 2)
+
+
+def test_only_a_plain_content_delta_takes_the_template() -> None:
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": None,
+                          "finish_reason": None}]}
+    assert _plain_content(chunk) == "a"
+    for change in ({"usage": {}}, {"choices": []}, {"choices": [chunk["choices"][0]] * 2}):
+        assert _plain_content({**chunk, **change}) is None
+    for choice in ({"delta": {"role": "assistant", "content": "a"}}, {"finish_reason": "stop"},
+                   {"logprobs": {"content": []}}, {"delta": {"tool_calls": []}},
+                   {"delta": {"content": None}}):
+        assert _plain_content({**chunk, "choices": [{**chunk["choices"][0], **choice}]}) is None

@@ -23,6 +23,7 @@ from handler.http.generation import (
     Lines,
     admit,
     collect_all,
+    framed,
     line_text,
     stream_response,
     submit,
@@ -82,6 +83,16 @@ class ChoiceStream:
         self.held: list[TokenEvent] = []  # under auto, tokens with no text yet
         self.first = True
         self.last: TokenEvent | None = None
+        # this stream's chunk JSON before and after a plain delta's content (see line())
+        self._around = None if chat.logprobs else _around_content(chat, model, index)
+
+    def line(self, chunk: dict, sse: bool) -> str:
+        """line_text(chunk, sse); a plain content delta (one per token) is made from the
+        stream's chunk JSON around its content: json.dumps's text, ~4x sooner."""
+        content = _plain_content(chunk)
+        if content is None or self._around is None:
+            return line_text(chunk, sse)
+        return framed(f"{self._around[0]}{json.dumps(content)}{self._around[1]}", sse)
 
     def feed(self, event: TokenEvent) -> list[dict]:
         self.last = event
@@ -113,6 +124,32 @@ class ChoiceStream:
         return chunk
 
 
+PROBE = "\x00batchyard-content\x00"
+
+
+def _around_content(chat: ChatRequest, model: str, index: int) -> tuple[str, str] | None:
+    probe = TokenEvent("probe", 0, PROBE, None, 0, 1, None)
+    text = json.dumps(chat_chunk(chat, model, probe, first=False, decode=lambda ids: "",
+                                 index=index))
+    parts = text.split(json.dumps(PROBE))
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
+def _plain_content(chunk: dict) -> str | None:
+    """The content of a chunk that is only a content delta (no role, finish, logprobs, tool
+    call or usage), else None."""
+    choices = chunk.get("choices")
+    if len(chunk) != 5 or type(choices) is not list or len(choices) != 1:
+        return None
+    choice = choices[0]
+    delta = choice.get("delta")
+    if (len(choice) != 4 or choice.get("finish_reason") is not None
+            or choice.get("logprobs") is not None or type(delta) is not dict or len(delta) != 1):
+        return None
+    content = delta.get("content")
+    return content if type(content) is str else None
+
+
 def _merged(entries: list[dict]) -> list[dict]:
     """tool_calls delta entries of one call (index 0) as one entry."""
     if len(entries) < 2:
@@ -132,7 +169,7 @@ def _chunks(state: ServerState, chat: ChatRequest, handle: RequestHandle | Handl
 
     def lines() -> Lines:
         for event in handle.events():
-            chunks = streams[index[event.request_id]].feed(event)
-            yield "".join(line_text(chunk, sse) for chunk in chunks), event
+            stream = streams[index[event.request_id]]
+            yield "".join(stream.line(chunk, sse) for chunk in stream.feed(event)), event
 
     return lines(), streams

@@ -261,7 +261,11 @@ def _end_stream(handle: RequestHandle, state: ServerState, written: _Written,
 
 
 def line_text(line: dict, sse: bool) -> str:
-    body = token_line_json(line) or json.dumps(line)
+    return framed(token_line_json(line) or json.dumps(line), sse)
+
+
+def framed(body: str, sse: bool) -> str:
+    """A line's JSON as a stream carries it: an SSE event, or one JSON line."""
     return f"data: {body}\n\n" if sse else body + "\n"
 
 
