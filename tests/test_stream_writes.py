@@ -14,6 +14,7 @@ from engine.outputs import TokenEvent
 from handler.cli import passive_openmp
 from handler.http.chat import parse_chat
 from handler.http.chat_route import ChoiceStream, _plain_content
+from handler.http.completions import CompletionLines, completion_chunk, parse_completion
 from handler.http.generation import line_text, stream_response
 from handler.http.schemas import token_dict, token_line_json
 
@@ -168,3 +169,26 @@ def test_only_a_plain_content_delta_takes_the_template() -> None:
                    {"logprobs": {"content": []}}, {"delta": {"tool_calls": []}},
                    {"delta": {"content": None}}):
         assert _plain_content({**chunk, "choices": [{**chunk["choices"][0], **choice}]}) is None
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"echo": True, "n": 2},
+    {"logprobs": 2},  # every token's chunk carries logprobs: json.dumps
+    {"stream_options": {"include_usage": True}},
+])
+def test_a_completion_streams_lines_are_the_text_json_dumps_makes(body) -> None:
+    req = parse_completion({"prompt": "Say é", "stream": True, **body})
+    texts = ["", "Hé", " 日本", '"q"\\', "\n\t\x01", "🙂", "end"]
+    for index in range(req.n):
+        chunks = CompletionLines(req, "m/odel", lambda ids: "x")
+        made = [chunks.line(e, first=i == 0, index=index)
+                for i, e in enumerate(_chat_events(texts))]
+        expected = [completion_chunk(req, "m/odel", e, first=i == 0, decode=lambda ids: "x",
+                                     index=index) for i, e in enumerate(_chat_events(texts))]
+        assert [m if isinstance(m, str) else line_text(m, True) for m in made] == [
+            line_text(e, True) for e in expected]
+        templated = sum(isinstance(m, str) for m in made)
+        # the middle tokens, and the first unless echo puts the prompt before it
+        assert templated == (0 if req.logprobs is not None
+                             else len(texts) - 1 - (1 if req.echo else 0))

@@ -28,7 +28,7 @@ from handler.http.generation import (
     stream_response,
     submit,
 )
-from handler.http.schemas import HTTPError, bad_request
+from handler.http.schemas import PROBE, HTTPError, around_probe, bad_request
 from handler.http.state import ServerState
 from handler.http.tools import CALL_OPEN, CallStream, history
 
@@ -124,15 +124,10 @@ class ChoiceStream:
         return chunk
 
 
-PROBE = "\x00batchyard-content\x00"
-
-
 def _around_content(chat: ChatRequest, model: str, index: int) -> tuple[str, str] | None:
     probe = TokenEvent("probe", 0, PROBE, None, 0, 1, None)
-    text = json.dumps(chat_chunk(chat, model, probe, first=False, decode=lambda ids: "",
-                                 index=index))
-    parts = text.split(json.dumps(PROBE))
-    return (parts[0], parts[1]) if len(parts) == 2 else None
+    return around_probe(chat_chunk(chat, model, probe, first=False, decode=lambda ids: "",
+                                   index=index))
 
 
 def _plain_content(chunk: dict) -> str | None:

@@ -3,6 +3,7 @@ shape that the /v1 routes answer with."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -18,7 +19,7 @@ from handler.http.chat import (
     include_usage,
     usage,
 )
-from handler.http.schemas import HTTPError, bad_request, sampling_params
+from handler.http.schemas import PROBE, HTTPError, around_probe, bad_request, sampling_params
 from handler.http.structured import STRUCTURED_FIELDS
 
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
@@ -129,6 +130,34 @@ def completion_chunk(req: CompletionRequest, model: str, event: TokenEvent, *, f
         choice["finish_reason"] = FINISH_REASONS.get(event.finish_reason or "", "stop")
     return {"id": req.completion_id, "object": "text_completion", "created": req.created,
             "model": model, "choices": [choice]}
+
+
+class CompletionLines:
+    """A completion stream's chunks by choice. A plain text chunk (no echo, logprobs or
+    finish) comes as its SSE line, made from the choice's chunk JSON around its text (split
+    once per choice: json.dumps's text, ~3x sooner; one per token); others as dicts."""
+
+    def __init__(self, req: CompletionRequest, model: str,
+                 decode: Callable[[list[int]], str]) -> None:
+        self.req, self.model, self.decode = req, model, decode
+        self._around: dict[int, tuple[str, str] | None] = {}
+
+    def line(self, event: TokenEvent, *, first: bool, index: int) -> dict | str:
+        req = self.req
+        plain = not event.finished and not (first and req.echo) and (
+            req.logprobs is None or event.token_id is None)
+        around = self._around_text(index) if plain else None
+        if around is None:
+            return completion_chunk(req, self.model, event, first=first, decode=self.decode,
+                                    index=index)
+        return f"data: {around[0]}{json.dumps(event.text)}{around[1]}\n\n"
+
+    def _around_text(self, index: int) -> tuple[str, str] | None:
+        if index not in self._around:
+            probe = TokenEvent("probe", None, PROBE, None, 0, 1, None)
+            self._around[index] = around_probe(completion_chunk(
+                self.req, self.model, probe, first=False, decode=self.decode, index=index))
+        return self._around[index]
 
 
 def usage_chunk(completion_id: str, obj: str, created: int, model: str,

@@ -11,8 +11,8 @@ from engine import RequestError, TokenEvent
 from handler.http.chat import each_choice
 from handler.http.choices import one_stream
 from handler.http.completions import (
+    CompletionLines,
     completion,
-    completion_chunk,
     completion_names,
     parse_completion,
     usage_chunk,
@@ -40,12 +40,12 @@ def serve_completions(state: ServerState, body: dict, start: float) -> Response:
     if req.stream:  # one prompt, n choices whose chunks interleave
         handle, index = one_stream(handles)
         lasts: dict[int, TokenEvent] = {}
+        chunks = CompletionLines(req, model, decode)
 
-        def lines() -> Iterator[tuple[dict, TokenEvent]]:
+        def lines() -> Iterator[tuple[dict | str, TokenEvent]]:
             for event in handle.events():
                 i = index[event.request_id]
-                yield completion_chunk(req, model, event, first=i not in lasts, decode=decode,
-                                       index=i), event
+                yield chunks.line(event, first=i not in lasts, index=i), event
                 lasts[i] = event
 
         trailer = (lambda _: usage_chunk(req.completion_id, "text_completion", req.created,

@@ -207,6 +207,17 @@ def token_line_json(line: dict) -> str | None:
     return f'{{"token": {{"id": {token_id}, "text": {json.dumps(text)}, "log_prob": {number}}}}}'
 
 
+PROBE = "\x00batchyard-text\x00"  # a string no chunk holds
+
+
+def around_probe(chunk: dict) -> tuple[str, str] | None:
+    """json.dumps(chunk) before and after the one string that is PROBE: a stream whose
+    per-token chunks differ only in that string makes each as before + json.dumps(text) +
+    after, json.dumps's own text (~3x sooner). None if PROBE is not there exactly once."""
+    parts = json.dumps(chunk).split(json.dumps(PROBE))
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
 def details_dict(events: list[TokenEvent], *, with_tokens: bool) -> dict:
     last = events[-1]
     details = {"finish_reason": last.finish_reason, "generated_tokens": last.num_output_tokens,
