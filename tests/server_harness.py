@@ -37,6 +37,14 @@ class Server:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name) and line[len(name)] in " {")
 
+    def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> None:
+        """Wait until metric(name) == value: a stream's request thread counts it after the
+        stream's last bytes are out, so a client that has read them may scrape before that."""
+        end = time.monotonic() + timeout
+        while (seen := self.metric(name)) != value:
+            assert time.monotonic() < end, f"{name} is {seen}, not {value}"
+            time.sleep(0.02)
+
 
 def server_argv(model_dir: Path | None, properties: Path, port: int) -> list[str]:
     """The server command; model_dir None serves the embedded default model."""

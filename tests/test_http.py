@@ -146,8 +146,8 @@ def test_streams_are_written_by_the_output_thread_with_the_same_bytes(server) ->
     head, _, plain = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head
     assert plain.decode() == lines and len(lines.splitlines()) == 9
-    assert server.metric(by % "output_thread") == before["output_thread"] + 1
-    assert server.metric(by % "request_thread") == before["request_thread"] + 1
+    server.wait_metric(by % "output_thread", before["output_thread"] + 1)
+    server.wait_metric(by % "request_thread", before["request_thread"] + 1)
 
 
 def test_disconnecting_stream_aborts_and_frees_kv(server) -> None:

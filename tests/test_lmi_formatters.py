@@ -50,7 +50,7 @@ def test_custom_formatters_wrap_every_strategy(model_dir, tmp_path, strategy) ->
                                    timeout=60)
             assert stream.text == out["answer"]  # one text piece per token, concatenated
             # user code never runs on the engine's output thread, which serves every stream
-            assert srv.metric('batchyard_streamed_requests_total{writer="request_thread"}') == 1
+            srv.wait_metric('batchyard_streamed_requests_total{writer="request_thread"}', 1)
         assert f"strategy={strategy}" in srv.log()
 
 

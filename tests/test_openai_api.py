@@ -72,7 +72,7 @@ def test_chat_streams_sse_chunks_with_the_same_text_and_usage(server) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content and text
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
-    assert server[0].metric(by_output_thread) == before + 1
+    server[0].wait_metric(by_output_thread, before + 1)
 
 
 def test_a_v1_stream_is_sse_whatever_the_accept_header(server) -> None:
