@@ -94,9 +94,9 @@ def _lower(tid: int, increment: int) -> None:
         logger.warning("thread %d keeps its CPU priority: %s", tid, err)
 
 
-def step_back_for_core(setting: int | None, api_server_count: int) -> int:
+def step_back_for_core(setting: int | None, api_server_count: int) -> None:
     """Lower this HTTP process's threads below its engine core process (`setting`: the
-    option.api_server_nice value, None for auto); returns the increment applied."""
+    option.api_server_nice value, None for auto), and log what was done."""
     cpus = usable_cpus()
     increment = resolve_nice(setting, api_server_count, cpus)
     threads = step_back(increment)
@@ -109,4 +109,3 @@ def step_back_for_core(setting: int | None, api_server_count: int) -> int:
         logger.info("HTTP threads keep their CPU priority (option.api_server_nice=%s, %d usable "
                     "CPUs for %d HTTP process(es) and the engine core)", how, cpus,
                     api_server_count)
-    return increment if threads else 0

@@ -23,12 +23,11 @@ from handler.http.generation import (
     Lines,
     admit,
     collect_all,
-    framed,
     line_text,
     stream_response,
     submit,
 )
-from handler.http.schemas import PROBE, HTTPError, around_probe, bad_request
+from handler.http.schemas import PROBE, HTTPError, around_probe, bad_request, framed
 from handler.http.state import ServerState
 from handler.http.tools import CALL_OPEN, CallStream, history
 

@@ -19,7 +19,14 @@ from handler.http.chat import (
     include_usage,
     usage,
 )
-from handler.http.schemas import PROBE, HTTPError, around_probe, bad_request, sampling_params
+from handler.http.schemas import (
+    PROBE,
+    HTTPError,
+    around_probe,
+    bad_request,
+    framed,
+    sampling_params,
+)
 from handler.http.structured import STRUCTURED_FIELDS
 
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
@@ -150,7 +157,7 @@ class CompletionLines:
         if around is None:
             return completion_chunk(req, self.model, event, first=first, decode=self.decode,
                                     index=index)
-        return f"data: {around[0]}{json.dumps(event.text)}{around[1]}\n\n"
+        return framed(f"{around[0]}{json.dumps(event.text)}{around[1]}", sse=True)
 
     def _around_text(self, index: int) -> tuple[str, str] | None:
         if index not in self._around:

@@ -30,6 +30,7 @@ from handler.http.schemas import (
     bad_request,
     details_dict,
     final_error,
+    framed,
     token_dict,
     token_line_json,
     top_tokens,
@@ -262,11 +263,6 @@ def _end_stream(handle: RequestHandle, state: ServerState, written: _Written,
 
 def line_text(line: dict, sse: bool) -> str:
     return framed(token_line_json(line) or json.dumps(line), sse)
-
-
-def framed(body: str, sse: bool) -> str:
-    """A line's JSON as a stream carries it: an SSE event, or one JSON line."""
-    return f"data: {body}\n\n" if sse else body + "\n"
 
 
 def _stream_status(handle: RequestHandle, last: TokenEvent | None) -> int:

@@ -207,6 +207,11 @@ def token_line_json(line: dict) -> str | None:
     return f'{{"token": {{"id": {token_id}, "text": {json.dumps(text)}, "log_prob": {number}}}}}'
 
 
+def framed(body: str, sse: bool) -> str:
+    """A line's JSON as a stream carries it: an SSE event, or one JSON line."""
+    return f"data: {body}\n\n" if sse else body + "\n"
+
+
 PROBE = "\x00batchyard-text\x00"  # a string no chunk holds
 
 
