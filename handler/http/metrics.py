@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from bisect import bisect_left
+from collections import Counter as Tally
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -23,6 +25,26 @@ def _gauge(name: str, documentation: str, registry: CollectorRegistry) -> Gauge:
     # The engine's gauges, set at scrape time by the process scraped: with several, its value
     # is the newest of the live ones (a dead worker's are dropped: server.py's child_exit).
     return Gauge(name, documentation, registry=registry, multiprocess_mode="livemostrecent")
+
+
+def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
+    """histogram.observe(a) for every amount, as one update per bucket touched: a stream's
+    inter-token gaps come one per token, and observe() takes a lock per value and per sum
+    (~0.5 us each: ~30 us of every 64-token request). Exposition and multiprocess files are
+    as with observe(); the sum may differ in its last bits (added once, not value by value).
+    Finite amounts, as time gaps are."""
+    bounds, buckets, total = (getattr(histogram, name, None)
+                              for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None:  # not prometheus_client's layout
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    if not amounts:
+        return
+    # observe() counts an amount in the first bucket whose bound is >= it: bisect_left's index
+    for index, count in Tally(bisect_left(bounds, amount) for amount in amounts).items():
+        buckets[index].inc(count)
+    total.inc(sum(amounts))
 
 
 class Metrics:
@@ -104,8 +126,8 @@ class Metrics:
         self.generation_tokens.inc(len(token_times))
         if token_times:
             self.ttft.observe(token_times[0] - start)
-            for before, after in zip(token_times, token_times[1:], strict=False):
-                self.itl.observe(after - before)
+            observe_all(self.itl, [after - before for before, after
+                                   in zip(token_times, token_times[1:], strict=False)])
         self.e2e.observe(end - start)
 
     def on_stream(self, writer: str) -> None:
