@@ -106,8 +106,7 @@ class EngineClient:
         the caller keeps only its last tokens (`truncating`)."""
         if not truncating:
             self._check_chars(len(text), "inputs")
-        with self._tokenizers.borrow() as tokenizer:
-            return tokenizer.encode(text)
+        return self._tokenizers.encode(text)
 
     @property
     def template_takes_tools(self) -> bool:
@@ -128,7 +127,7 @@ class EngineClient:
             except TemplateError as err:  # e.g. the template wants alternating roles
                 raise RequestError(f"messages do not fit the model's chat template: {err}",
                                    "messages") from err
-            return tokenizer.encode(text, add_special_tokens=False)
+        return self._tokenizers.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of token ids, e.g. one logprob alternative's."""

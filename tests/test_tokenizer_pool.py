@@ -1,0 +1,80 @@
+"""engine/tokenizer_pool.py: prompts encoded straight through the tokenizers backend give
+transformers' ids, and anything the start-up probe cannot vouch for goes through transformers."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from engine.tokenizer_pool import TokenizerPool, encodes_alike
+from tests.models_fixtures import build_tokenizer
+
+TEXTS = ["", "hello world", "The capital of France is", " leading and trailing ",
+         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+         "caf\u00e9 \u00fcber \U0001f600", "the cat " * 300]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> PreTrainedTokenizerFast:
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_direct_encoding_gives_transformers_ids(tokenizer, add_special_tokens: bool) -> None:
+    pool = TokenizerPool(tokenizer)
+    assert pool.direct
+    for text in TEXTS:
+        assert pool.encode(text, add_special_tokens) == tokenizer.encode(
+            text, add_special_tokens=add_special_tokens), text
+
+
+def test_a_backend_saved_with_truncation_still_encodes_whole_prompts(tokenizer) -> None:
+    """tokenizer.json may carry a truncation setting; transformers' encode turns it off unless
+    asked to truncate, and so must the direct path (a cut prompt would change the answer)."""
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    backend.enable_truncation(max_length=8)
+    truncating = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    text = TEXTS[-1]
+    pool = TokenizerPool(truncating)
+    assert len(pool.encode(text)) == len(truncating.encode(text)) > 8
+
+
+def test_split_special_tokens_is_honoured(tokenizer, tmp_path: Path) -> None:
+    tokenizer.save_pretrained(tmp_path)
+    splitting = PreTrainedTokenizerFast.from_pretrained(tmp_path, split_special_tokens=True)
+    pool = TokenizerPool(splitting)
+    text = TEXTS[4]
+    assert pool.direct
+    assert pool.encode(text) == splitting.encode(text) != tokenizer.encode(text)
+
+
+class _Renumbered:
+    """A tokenizer whose own encode() differs from its backend's (as a wrapper that adds steps
+    around the backend would)."""
+
+    def __init__(self, inner: PreTrainedTokenizerFast) -> None:
+        self.inner = inner
+        self.backend_tokenizer = inner.backend_tokenizer
+        self.all_special_tokens = inner.all_special_tokens
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [0, *self.inner.encode(text, add_special_tokens=add_special_tokens)]
+
+
+class _NoBackend:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [len(text)]
+
+
+@pytest.mark.parametrize("odd", [_Renumbered, lambda _: _NoBackend()])
+def test_what_the_probe_cannot_vouch_for_goes_through_encode(tokenizer, odd, caplog) -> None:
+    wrapped = odd(tokenizer)
+    with caplog.at_level(logging.INFO, logger="engine.tokenizer_pool"):
+        pool = TokenizerPool(wrapped)
+    assert not pool.direct and not encodes_alike(wrapped)
+    assert "transformers' encode" in caplog.text
+    assert pool.encode("hello world") == wrapped.encode("hello world")
