@@ -15,13 +15,13 @@ class SampledToken(NamedTuple):
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), best first
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):
     """One step's news for one request: a new token (with its text delta), its end, or both.
 
     `text` is the text this token completes: it may be "" for the first bytes of a multi-byte
     character and hold the whole character on the token that completes it, so the deltas
-    always concatenate to the decoded output.
+    always concatenate to the decoded output. A named tuple: the serving process makes one per
+    token of every stream (~0.2 us; a frozen dataclass took ~0.75).
     """
 
     request_id: str

@@ -4,7 +4,6 @@ tools), submit, answer whole or stream (n choices interleaved; a call as tool_ca
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 from flask import Response
 
@@ -110,7 +109,7 @@ class ChoiceStream:
         deltas = self.call.feed(event.text)
         if event.finished:
             if self.call.name is None:  # cut before its name: what there is, as text
-                return [self._chunk(replace(event, text=self.call.text))]
+                return [self._chunk(event._replace(text=self.call.text))]
             deltas = _merged(deltas + self.call.rest())
         if deltas or event.finished or self.first:
             return [self._chunk(event, deltas)]
