@@ -283,6 +283,10 @@ class EngineLoop:
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         listeners: dict[str, Callable[[], None]] = {}  # one call per request per delivery
+        # Requests whose first token or end is here: their listeners run first. A client
+        # waits on those two (and a closed loop of clients sends its next request after the
+        # end), while a token mid-stream loses nothing by going out a few sends later.
+        urgent: dict[str, Callable[[], None]] = {}
         with self._lock:
             for event in events:
                 handle = self._handles.get(event.request_id)
@@ -291,9 +295,11 @@ class EngineLoop:
                 handle._events.put(event)
                 if handle._listener is not None:
                     listeners[event.request_id] = handle._listener
+                    if event.finished or event.num_output_tokens == 1:
+                        urgent[event.request_id] = handle._listener
                 if event.finished:
                     del self._handles[event.request_id]
-        for listener in listeners.values():
+        for listener in (urgent | listeners).values():
             try:
                 listener()
             except Exception:  # a listener's failure is its request's, never the others'

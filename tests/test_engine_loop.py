@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import time
+from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
@@ -20,9 +21,9 @@ from engine import (
 )
 from engine.core import CoreUpdate
 from engine.guided import GuidedDecoding
-from engine.loop import EngineLoop
+from engine.loop import EngineLoop, RequestHandle
 from engine.output_processor import StepOutput
-from engine.outputs import Gauges, StepStats
+from engine.outputs import Gauges, StepStats, TokenEvent
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
@@ -259,3 +260,22 @@ def test_an_output_thread_behind_the_core_delivers_every_waiting_step_at_once(mo
     assert [e.token_id for e in events] == [101, 102, 103] and events[-1].finished
     assert calls == [3]  # the three steps in one delivery
     assert len(steps) == 3 and loop.gauges().num_running == 0
+
+
+def test_streams_that_start_or_end_in_a_delivery_are_written_first() -> None:
+    """A client waits on its first token and on its end (a closed loop sends the next request
+    then); a token mid-stream can go out a few sends later. Every listener still runs once."""
+    core = SimpleNamespace(initial_gauges=None, send=lambda message: None)
+    loop = EngineLoop(core, SimpleNamespace(backend_tokenizer=None), 8, 8)
+    called: list[str] = []
+    for rid in ("mid", "first", "last", "mid2"):
+        handle = RequestHandle(loop, rid, 3)
+        loop._handles[rid] = handle
+        handle.on_delivery(lambda rid=rid: called.append(rid))
+
+    def event(rid: str, n: int, finished: bool = False) -> TokenEvent:
+        return TokenEvent(rid, 7, "x", -0.1, 3, n, "length" if finished else None)
+
+    loop._dispatch([event("mid", 5), event("first", 1), event("mid", 6), event("last", 9, True),
+                    event("mid2", 2), event("first", 2)])
+    assert called == ["first", "last", "mid", "mid2"]
