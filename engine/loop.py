@@ -264,6 +264,19 @@ class EngineLoop:
         return updates, False
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
+        """Text and events for the outputs of one or more steps. The requests whose first token
+        or end is among them go first, detokenized and written before the others: a client
+        waits on those two (a closed loop of clients sends its next request after the end),
+        while a token mid-stream loses nothing by going out a few hundred us later."""
+        urgent = {out.request_id for out in outputs
+                  if out.finish_reason is not None or out.num_output_tokens == 1}
+        first = [out for out in outputs if out.request_id in urgent]
+        rest = [out for out in outputs if out.request_id not in urgent]
+        for part in (first, rest):
+            if part:
+                self._deliver_part(part)
+
+    def _deliver_part(self, outputs: list[StepOutput]) -> None:
         try:
             events, stopped = self.output_processor.process(outputs)
         except Exception:
@@ -283,10 +296,6 @@ class EngineLoop:
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         listeners: dict[str, Callable[[], None]] = {}  # one call per request per delivery
-        # Requests whose first token or end is here: their listeners run first. A client
-        # waits on those two (and a closed loop of clients sends its next request after the
-        # end), while a token mid-stream loses nothing by going out a few sends later.
-        urgent: dict[str, Callable[[], None]] = {}
         with self._lock:
             for event in events:
                 handle = self._handles.get(event.request_id)
@@ -295,11 +304,9 @@ class EngineLoop:
                 handle._events.put(event)
                 if handle._listener is not None:
                     listeners[event.request_id] = handle._listener
-                    if event.finished or event.num_output_tokens == 1:
-                        urgent[event.request_id] = handle._listener
                 if event.finished:
                     del self._handles[event.request_id]
-        for listener in (urgent | listeners).values():
+        for listener in listeners.values():
             try:
                 listener()
             except Exception:  # a listener's failure is its request's, never the others'

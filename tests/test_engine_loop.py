@@ -23,7 +23,7 @@ from engine.core import CoreUpdate
 from engine.guided import GuidedDecoding
 from engine.loop import EngineLoop, RequestHandle
 from engine.output_processor import StepOutput
-from engine.outputs import Gauges, StepStats, TokenEvent
+from engine.outputs import Gauges, StepStats
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
@@ -262,20 +262,29 @@ def test_an_output_thread_behind_the_core_delivers_every_waiting_step_at_once(mo
     assert len(steps) == 3 and loop.gauges().num_running == 0
 
 
-def test_streams_that_start_or_end_in_a_delivery_are_written_first() -> None:
+def test_streams_that_start_or_end_in_a_delivery_are_written_first(model_dir) -> None:
     """A client waits on its first token and on its end (a closed loop sends the next request
-    then); a token mid-stream can go out a few sends later. Every listener still runs once."""
+    then); a token mid-stream can go out a few sends later. Those requests are detokenized and
+    their listeners run first; every listener still runs once, each request's events in order."""
     core = SimpleNamespace(initial_gauges=None, send=lambda message: None)
-    loop = EngineLoop(core, SimpleNamespace(backend_tokenizer=None), 8, 8)
-    called: list[str] = []
+    loop = EngineLoop(core, AutoTokenizer.from_pretrained(model_dir), 8, 8)
+    called: list[tuple[str, int]] = []
+    handles: dict[str, RequestHandle] = {}
     for rid in ("mid", "first", "last", "mid2"):
-        handle = RequestHandle(loop, rid, 3)
-        loop._handles[rid] = handle
-        handle.on_delivery(lambda rid=rid: called.append(rid))
+        handles[rid] = RequestHandle(loop, rid, 3)
+        loop._handles[rid] = handles[rid]
+        loop.output_processor.add(rid, SamplingParams(max_new_tokens=16))
+        # with how many events the last request waits as each listener runs
+        handles[rid].on_delivery(lambda rid=rid: called.append((rid, mid_queue.qsize())))
+    mid_queue = handles["mid"]._events
 
-    def event(rid: str, n: int, finished: bool = False) -> TokenEvent:
-        return TokenEvent(rid, 7, "x", -0.1, 3, n, "length" if finished else None)
+    def out(rid: str, n: int, finished: bool = False) -> StepOutput:
+        return StepOutput(rid, 100 + n, -0.1, 3, n, "length" if finished else None)
 
-    loop._dispatch([event("mid", 5), event("first", 1), event("mid", 6), event("last", 9, True),
-                    event("mid2", 2), event("first", 2)])
-    assert called == ["first", "last", "mid", "mid2"]
+    loop._deliver([out("mid", 5), out("first", 1), out("mid", 6), out("last", 9, True),
+                   out("mid2", 2), out("first", 2)])
+    # the first and last streams' lines went out before "mid"'s tokens were even detokenized
+    assert called == [("first", 0), ("last", 0), ("mid", 2), ("mid2", 2)]
+    queued = {rid: [handle._events.get_nowait().num_output_tokens
+                    for _ in range(handle._events.qsize())] for rid, handle in handles.items()}
+    assert queued == {"mid": [5, 6], "first": [1, 2], "last": [9], "mid2": [2]}
