@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import socket
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from urllib.parse import urlparse
 
 import pytest
 import requests
-from gunicorn.workers.gthread import ThreadWorker
 
-from handler.http.worker import JsonErrorWorker
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import running_server
 
@@ -117,50 +113,6 @@ def test_clients_that_keep_their_socket_open_after_the_answer_block_nothing(serv
     finally:
         for sock in held:
             sock.close()
-
-
-class _Watched:
-    """A socket whose shutdown() calls are recorded, not made."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.shutdowns = sock, []
-
-    def shutdown(self, how: int) -> None:
-        self.shutdowns.append(how)
-
-    def setblocking(self, flag: bool) -> None:
-        self.sock.setblocking(flag)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-
-@pytest.mark.parametrize("keep_alive", [False, True])
-def test_a_closing_answer_ends_from_its_request_thread(monkeypatch, keep_alive: bool) -> None:
-    """The client reads the end of a `Connection: close` answer as soon as the request thread
-    has written it (gthread would close only on its main loop's next turn); the main loop's
-    close then lingers without shutting twice. A kept-alive connection stays open."""
-    monkeypatch.setattr(ThreadWorker, "handle", lambda self, conn: keep_alive)
-    worker = object.__new__(JsonErrorWorker)  # the parts handle() and the close use
-    worker.poller, worker._lingering, worker.nr_conns = selectors.DefaultSelector(), {}, 0
-    server, client = socket.socketpair()
-    client.settimeout(5)
-    try:
-        conn = SimpleNamespace(sock=server)
-        assert worker.handle(conn) is keep_alive
-        if keep_alive:
-            client.setblocking(False)
-            with pytest.raises(BlockingIOError):  # no end: the connection is reused
-                client.recv(1)
-            return
-        assert client.recv(1) == b""  # the end, with the main loop not involved
-        conn.sock = _Watched(server)
-        JsonErrorWorker._close(worker, conn, graceful=True)
-        assert conn.sock.shutdowns == [] and conn.sock in worker._lingering  # not shut twice
-    finally:
-        worker.poller.close()
-        server.close()
-        client.close()
 
 
 LONG = {"inputs": "long", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}

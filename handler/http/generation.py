@@ -176,20 +176,18 @@ def stream_response(lines: Lines, handle: RequestHandle, state: ServerState, *, 
     def generate() -> Iterator[str | bytes]:
         lines_left = iter(lines)
         try:
-            if sock is not None:
-                # An empty first chunk: gunicorn sends the response's headers alone, at once
-                # (as vLLM's and TGI's streams do), and every line goes out from the output
-                # thread, the first one included: no wake-up of this thread per stream for it.
-                yield b""
+            # the first line goes through gunicorn, which sends the response's headers with it
+            yield from _by_request_thread(lines_left, handle, written, coalesce,
+                                          until_first_write=sock is not None)
+            if sock is not None and written.last is not None and not written.last.finished:
                 writer = DirectWriter(handle, sock, lines_left, written.text)
                 written.writer = "output_thread"
                 writer.write()
                 if not writer.ended:  # handed back: a slow client, or the loop stopped
                     written.writer = "handed_back"
-            # Every line of a stream not written directly; the rest of one handed back; after
-            # the end, what the line makers do once resumed past their last line (e.g. keep it
-            # for the usage trailer)
-            yield from _by_request_thread(lines_left, handle, written, coalesce)
+                # the rest of a stream handed back; after the end, what the line makers do
+                # once resumed past their last line (e.g. keep it for the usage trailer)
+                yield from _by_request_thread(lines_left, handle, written, coalesce)
             last = written.last
             if trailer is not None and last is not None and final_error(last) is None:
                 yield line_text(trailer(last), sse)
@@ -209,7 +207,7 @@ class _Written:
         self.sse = sse
         self.times: list[float] = []
         self.last: TokenEvent | None = None
-        self.writer = "request_thread"  # who wrote the stream's lines
+        self.writer = "request_thread"  # who wrote the stream after its first line
 
     def text(self, line: dict | str | bytes, event: TokenEvent) -> str | bytes:
         self.last = event
@@ -221,8 +219,8 @@ class _Written:
         return line if isinstance(line, str | bytes) else line_text(line, self.sse)
 
 
-def _by_request_thread(lines: Lines, handle: RequestHandle, written: _Written,
-                       coalesce: bool) -> Iterator[str | bytes]:
+def _by_request_thread(lines: Lines, handle: RequestHandle, written: _Written, coalesce: bool,
+                       until_first_write: bool = False) -> Iterator[str | bytes]:
     unsent: list[str] = []  # lines held while the events behind them are already here
     try:
         for line, event in lines:
@@ -239,6 +237,8 @@ def _by_request_thread(lines: Lines, handle: RequestHandle, written: _Written,
             if not coalesce or event.finished or not handle.has_queued_events():
                 yield "".join(unsent)
                 unsent.clear()
+                if until_first_write:
+                    return
     except Exception:
         if unsent:  # lines made before the failure go out, as they would have alone
             yield "".join(unsent)

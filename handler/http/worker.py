@@ -12,10 +12,7 @@ the client closes its end (RFC 9112 9.6: so that unread bytes do not turn the cl
 that truncates the answer), up to 2 s. That blocked the main loop: no accept, no keep-alive
 dispatch, no other close, for every client that keeps its socket open after the answer, and a
 client's round trip per close even when it does not. Here the linger runs in the main loop's
-poller instead and blocks nothing, and the answer's end reaches the client from the request's
-own thread: it shuts the sending side as soon as the answer is written, where the close would
-otherwise wait for the main loop's next turn (a closed loop of clients sends its next request
-only then)."""
+poller instead and blocks nothing."""
 
 from __future__ import annotations
 
@@ -89,19 +86,6 @@ class JsonErrorWorker(ThreadWorker):
                 util.close(sock)
             self._lingering.clear()
 
-    def handle(self, conn):
-        """gthread's handle, on a request thread; a connection it will close has its sending
-        side shut here at once (the client reads the end of the answer without waiting for
-        the main loop, which closes it later, lingering as before)."""
-        keep = super().handle(conn)
-        if keep is False:
-            try:
-                conn.sock.shutdown(socket.SHUT_WR)
-                conn.write_shut = True
-            except OSError:  # already gone: the main loop's close handles it
-                pass
-        return keep
-
     def enqueue_req(self, conn) -> None:
         # Every connection passes here before its first request; from then on its graceful
         # close (on the main thread, in finish_request) lingers in the poller.
@@ -115,8 +99,7 @@ class JsonErrorWorker(ThreadWorker):
             util.close(sock)
             return
         try:
-            if not getattr(conn, "write_shut", False):  # not already by handle()
-                sock.shutdown(socket.SHUT_WR)  # the client reads the end of the answer
+            sock.shutdown(socket.SHUT_WR)  # the client reads the end of the answer
             sock.setblocking(False)
             self.poller.register(sock, selectors.EVENT_READ, self._on_linger_readable)
         except (OSError, ValueError, KeyError):
