@@ -2,8 +2,8 @@
 the body read until the server closes. It needs ~13 % of a vCPU for 32 streams where
 `batchyard bench load` (requests, a thread per client, every line parsed) needs 60-70 %, so
 on a 2-vCPU host it leaves the server its CPU. Prints req/s, mean time to the first token's
-bytes (read until the first `"token"` arrives: since a8e7a1c the headers go out before it) and
-mean first token -> end.
+bytes (read until the first `"token"` arrives, not only the first byte: a server may send its
+headers first) and mean first token -> end.
 
     python docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py --port 8080 \
         --model-dir /tmp/tiny320 -n 960
