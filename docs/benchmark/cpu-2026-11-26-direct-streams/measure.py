@@ -3,7 +3,7 @@ req/s, mean sequences per step and step time (from /metrics), and the CPU second
 token of its HTTP worker and of its engine core process (from /proc), whose ratio does not move
 with this machine's speed.
 
-    python docs/benchmark/cpu-2026-11-26-direct-streams/measure.py PORT [N]
+    python docs/benchmark/cpu-2026-11-26-direct-streams/measure.py PORT [N [CLIENTS]]
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ def step_facts(port: int) -> dict[str, float]:
 
 def main() -> None:
     port, n = int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "1280"
+    clients = sys.argv[3] if len(sys.argv) > 3 else "32"
     (http0, core0), facts0 = cpu_seconds(port), step_facts(port)
     run = subprocess.run([sys.executable, CLIENT, "--port", str(port), "--model-dir",
-                          "/tmp/tiny320", "-n", n], capture_output=True, text=True, check=True)
+                          "/tmp/tiny320", "-n", n, "-c", clients],
+                         capture_output=True, text=True, check=True)
     (http1, core1), facts1 = cpu_seconds(port), step_facts(port)
     d = {name: facts1[name] - facts0[name] for name in STEP_FACTS}
     tokens, steps = d["batchyard_generation_tokens_total"], d["batchyard_step_seconds_count"]
