@@ -19,7 +19,7 @@ POOL_SIZE = 4
 # before tokenizing: a 5 MiB prompt is not tokenized for seconds only to be refused then.
 MAX_CHARS_PER_TOKEN = 64
 # Texts whose ids the tokenizers backend must give exactly as transformers' encode does before
-# prompts skip transformers' wrapper (with the tokenizer's special tokens written out, added).
+# prompts skip transformers' wrapper; one more holds the tokenizer's special tokens as text.
 PROBE_TEXTS = ("", "Hello, world!", "  two  spaces\tand a tab\nand a new line ",
                "h\u00e9llo w\u00f6rld \u2014 \u4f60\u597d \U0001f642", "1234567890 3.14159 x=y+z;")
 
@@ -33,10 +33,10 @@ class TokenizerPool:
         # Each copy probed: transformers' encode sets the backend's truncation, padding and
         # special-token splitting for its call, and a copy does not always keep what the
         # original had set (deepcopy lost split_special_tokens' switch in a test).
-        self.direct = all(encodes_alike(tokenizer) for tokenizer in copies)
+        self.direct = all(encodes_alike(each) for each in copies)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
-        for tokenizer in copies:
-            self._free.put(tokenizer)
+        for each in copies:
+            self._free.put(each)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """tokenizer.encode(text)'s ids. Where the start-up probe found them equal, straight
