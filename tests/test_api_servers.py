@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import requests
+from gunicorn.errors import HaltServer
 
 from engine import CoreAddress, EngineConfig
 from handler.config.serving_config import ServingConfig
+from handler.http import server
 from handler.http.state import ServerState
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import running_server
@@ -142,6 +144,19 @@ def test_a_model_py_handler_is_refused_rather_than_run_once_per_process(model_di
                         wait_ready=False) as srv:
         assert srv.process.wait(timeout=120) == 3
         assert "serve it with option.api_server_count=1" in srv.log()
+
+
+def test_a_worker_failing_to_boot_while_gunicorn_halts_still_exits_3(monkeypatch) -> None:
+    """gunicorn's halt() reaps the other workers and raises HaltServer again, out of run(),
+    when one of them failed to boot too (two workers refusing a model.py, under load): the
+    master exits with that status, not 1 with a trace."""
+    def halting_twice(self) -> None:
+        raise HaltServer("Worker failed to boot.", 3)
+
+    monkeypatch.setattr(server.GunicornServer, "run", halting_twice)
+    with pytest.raises(SystemExit) as exit_:
+        server.run_server(lambda: None, "127.0.0.1", 0, workers=2)
+    assert exit_.value.code == 3
 
 
 def test_no_worker_says_ready_before_all_have_started(tmp_path) -> None:

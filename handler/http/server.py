@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 
 from gunicorn.app.base import BaseApplication
+from gunicorn.errors import HaltServer
 
 from handler.http.app import create_app
 from handler.http.state import ServerState
@@ -80,7 +81,14 @@ def run_server(make_state: Callable[[], ServerState], host: str, port: int,
     each = (f"{workers} workers, {threads} threads each" if workers > 1
             else f"1 worker, {threads} threads")
     logger.info("listening on http://%s:%d (%s)", host, port, each)
-    GunicornServer(make_state, options, on_exit).run()
+    try:
+        GunicornServer(make_state, options, on_exit).run()
+    except HaltServer as halt:
+        # gunicorn's halt() reaps the other workers; one that failed to boot meanwhile (all
+        # do when the model cannot load) raises HaltServer again, out of run(), and the
+        # master would exit 1 with a trace: the same ending, with its status (3)
+        logger.error("shutting down: %s", halt.reason)
+        raise SystemExit(halt.exit_status) from None
 
 
 def exit_on_load_failure() -> None:
