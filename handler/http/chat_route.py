@@ -26,7 +26,14 @@ from handler.http.generation import (
     stream_response,
     submit,
 )
-from handler.http.schemas import PROBE, HTTPError, around_probe, bad_request, framed
+from handler.http.schemas import (
+    PROBE,
+    HTTPError,
+    around_probe,
+    bad_request,
+    fill_probe,
+    framed,
+)
 from handler.http.state import ServerState
 from handler.http.tools import CALL_OPEN, CallStream, history
 
@@ -90,7 +97,7 @@ class ChoiceStream:
         content = _plain_content(chunk)
         if content is None or self._around is None:
             return line_text(chunk, sse)
-        return framed(f"{self._around[0]}{json.dumps(content)}{self._around[1]}", sse)
+        return framed(fill_probe(self._around, content), sse)
 
     def feed(self, event: TokenEvent) -> list[dict]:
         self.last = event

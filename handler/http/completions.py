@@ -3,7 +3,6 @@ shape that the /v1 routes answer with."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -24,6 +23,7 @@ from handler.http.schemas import (
     HTTPError,
     around_probe,
     bad_request,
+    fill_probe,
     framed,
     sampling_params,
 )
@@ -157,7 +157,7 @@ class CompletionLines:
         if around is None:
             return completion_chunk(req, self.model, event, first=first, decode=self.decode,
                                     index=index)
-        return framed(f"{around[0]}{json.dumps(event.text)}{around[1]}", sse=True)
+        return framed(fill_probe(around, event.text), sse=True)
 
     def _around_text(self, index: int) -> tuple[str, str] | None:
         if index not in self._around:

@@ -223,6 +223,11 @@ def around_probe(chunk: dict) -> tuple[str, str] | None:
     return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
+def fill_probe(around: tuple[str, str], text: str) -> str:
+    """The chunk's JSON with `text` where around_probe found PROBE."""
+    return f"{around[0]}{json.dumps(text)}{around[1]}"
+
+
 def details_dict(events: list[TokenEvent], *, with_tokens: bool) -> dict:
     last = events[-1]
     details = {"finish_reason": last.finish_reason, "generated_tokens": last.num_output_tokens,
