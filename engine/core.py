@@ -3,7 +3,8 @@
 It reads AddRequest / AbortRequest / StopCore messages from an inbox, expires deadlines, runs
 engine.step_outputs() and publishes each step's token ids with the gauges and step facts as a
 CoreUpdate. Text, stop strings and callers live on the other side (EngineLoop). The same loop
-runs on a thread (ThreadCore) or in a process of its own (engine/core_process.py)."""
+runs on a thread (ThreadCore) or in a process of its own (engine/core_process.py). A step far
+slower than usual is logged with its phases, garbage collections and compiles (StepWatch)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from engine.output_processor import StepOutput
 from engine.outputs import Gauges, StepStats
 from engine.parallel.workers import WorkerLost
 from engine.sequence import FinishReason
+from engine.step_watch import StepWatch
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +80,12 @@ class EngineCore:
         self._deadlines: dict[str, float] = {}
         self._stopping = False
         self._failures = 0
+        self.watch = StepWatch()
+        engine.measure_phases(self.watch.phases)
 
     def run(self) -> None:
         error = "the engine loop stopped"
+        self.watch.install()
         try:
             timeout: float | None = None
             while not self._stopping:
@@ -94,6 +99,7 @@ class EngineCore:
         except Exception:
             logger.exception("engine core crashed")
         finally:
+            self.watch.uninstall()
             try:
                 self._end_all(error)
             finally:
@@ -104,13 +110,16 @@ class EngineCore:
         engine = self.engine
         if not engine.has_unfinished():
             return IDLE_POLL_SECONDS
+        self.watch.start()
         start = time.perf_counter()
         outputs = self._step()
         if engine.last_batch is None:  # nothing could run: wait for time or input
             self._send(outputs, force=False)
             hint = engine.scheduler.wait_hint()
             return IDLE_POLL_SECONDS if hint is None else max(hint, 1e-4)
-        self._send(outputs, engine.last_step_stats(time.perf_counter() - start))
+        stats = engine.last_step_stats(time.perf_counter() - start)
+        self.watch.finish(stats)
+        self._send(outputs, stats)
         return None
 
     def _step(self) -> list[StepOutput]:

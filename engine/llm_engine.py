@@ -15,7 +15,7 @@ from engine.inputs import GenerationRequest, RequestLimits
 from engine.kv.budget import max_concurrency
 from engine.output_processor import OutputProcessor, StepOutput
 from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
-from engine.phases import NoPhases, StepPhases
+from engine.phases import NoPhases, PhaseClock
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, build_scheduler
 from engine.sequence import FinishReason, Sequence
@@ -70,7 +70,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._last_batch: ScheduledBatch | None = None
         self._preemptions_reported = 0  # by last_step_stats, which reports the new ones
-        self.phases: StepPhases | NoPhases = NoPhases()
+        self.phases: PhaseClock = NoPhases()
         self.output_processor = OutputProcessor(tokenizer)
         self._guided: GuidedDecoding | None = None  # see `guided`
         # outputs step_outputs() has not returned yet (also: a grammar that failed at once)
@@ -294,7 +294,7 @@ class LLMEngine:
         self._at_risk = [batch for batch in self._at_risk if batch is not step.batch]
         self._ready += self._outputs(step.batch, samples)
 
-    def measure_phases(self, phases: StepPhases | NoPhases) -> None:
+    def measure_phases(self, phases: PhaseClock) -> None:
         """Time each phase of later steps with `phases` (NoPhases turns it off)."""
         self.phases = self.runner.phases = phases
 

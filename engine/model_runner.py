@@ -22,7 +22,7 @@ from engine.kv.layout import KVLayout, shared_layout
 from engine.models.spec import ModelSpec
 from engine.outputs import SampledToken
 from engine.parallel.workers import WorkerLost
-from engine.phases import NoPhases, StepPhases
+from engine.phases import NoPhases, PhaseClock
 from engine.sampler import SampledRows, Sampler
 from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
@@ -70,7 +70,7 @@ class ModelRunner:
         self.page_size = page_size_for(block_size)
         self.sampler = Sampler()  # LLMEngine gives it the CPU greedy kernel where it fits
         self.buffer = StepBuffer(device)
-        self.phases: StepPhases | NoPhases = NoPhases()  # LLMEngine.measure_phases sets it
+        self.phases: PhaseClock = NoPhases()  # LLMEngine.measure_phases sets it
         # [tensors, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim]: a tensor per
         # layer, or per layer of a KV group (engine/kv/layout.py); zeroed so padding is finite.
         # The last block is scratch: no sequence owns it; padding rows write there.

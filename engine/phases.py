@@ -1,7 +1,8 @@
 """Where a step's time goes: host time per phase, marked by the engine and the runner.
 
-The engine always holds a phase clock; the default one does nothing, so serving pays two
-attribute lookups and a call per mark. `benchmark profile` swaps in StepPhases."""
+The engine always holds a phase clock; the default one does nothing. A serving core holds
+PhaseMarks (a clock read per mark, for its slow-step reports); `benchmark profile` swaps in
+StepPhases."""
 
 from __future__ import annotations
 
@@ -47,3 +48,32 @@ class StepPhases:
         if self._sync is not None:
             self._sync()
         return time.perf_counter()
+
+
+class PhaseMarks:
+    """The serving clock: one clock read per mark, summed per phase only when asked (a slow
+    step's report, engine/step_watch.py), so an ordinary step pays about a microsecond."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self._marks: list[tuple[str, float]] = []
+
+    def start(self) -> None:
+        self._marks.clear()
+        self._start = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        self._marks.append((phase, time.perf_counter()))
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase since start(), in the order first marked."""
+        seconds: dict[str, float] = {}
+        last = self._start
+        for phase, now in self._marks:
+            seconds[phase] = seconds.get(phase, 0.0) + now - last
+            last = now
+        return seconds
+
+
+PhaseClock = NoPhases | StepPhases | PhaseMarks

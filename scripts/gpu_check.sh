@@ -155,7 +155,9 @@ if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV 
     P=serving.properties.d
     for kv in ${SWEEP_KV:-2GiB 512MiB}; do
         files=("$P/paged.properties" "$P/continuous.properties" "$P/dynamic.properties")
-        step "sweep-kv-$kv" 200 "$PY" -m handler.cli bench sweep "${files[@]}" --model-dir "$model" \
+        # TORCH_LOGS: why a compiled graph recompiles while serving (the slow-step warnings
+        # say when one did)
+        TORCH_LOGS=recompiles step "sweep-kv-$kv" 200 "$PY" -m handler.cli bench sweep "${files[@]}" --model-dir "$model" \
             --set "option.dtype=$dtype" --set "option.device=$DEVICE" --kv-cache-memory "$kv" \
             -c 32 -n "${SWEEP_REQUESTS:-96}" --out "/tmp/gpu-check-sweep/kv-$kv"
         cp "/tmp/gpu-check-sweep/kv-$kv/sweep.json" "$OUT/sweep-kv-$kv.json" 2> /dev/null
@@ -173,6 +175,11 @@ EOF
     tar -czf "$OUT/sweep-logs.tar.gz" -C /tmp/gpu-check-sweep . 2> /dev/null
     grep -hE "heap frozen|tokenizer view built" /tmp/gpu-check-sweep/*/*.server.log | sed -E 's/^[0-9-]+ [0-9:,]+ //' \
         >> "$OUT/summary.txt"
+    # What the stalls were (engine/step_watch.py): phases, collections, compiles, the stack
+    for log in /tmp/gpu-check-sweep/*/*.server.log; do
+        grep -hE "slow engine step|Recompiling" "$log" | head -6 | cut -c1-900 | \
+            sed "s|^|$(basename "$(dirname "$log")")/$(basename "$log" .server.log): |"
+    done >> "$OUT/summary.txt"
 fi
 rm -rf /tmp/gpu-check-model-*
 # The device returns at most 8 files: with several presets, the JSON profiles alone.
