@@ -50,8 +50,12 @@ class CoreUpdate:
 
 def prepare_to_serve(engine: LLMEngine) -> None:
     """What a core process finishes before it reports ready: the guided tokenizer's background
-    build (its GIL would stall the first steps), then freezing the start-up heap."""
+    build (its GIL would stall the first steps), compiled attention still valid (else compiled
+    again now), then freezing the start-up heap."""
+    from engine.attention.check import refresh_warm_up  # torch: the core has loaded it
+
     engine.guided.wait_built()
+    refresh_warm_up(engine.runner)
     freeze_start_up_heap()
 
 

@@ -86,13 +86,11 @@ class LLMEngine:
         from engine.models.loader import eos_token_ids
         from engine.runner_setup import build_rank_zero
 
+        # Before the rank: its first load imports transformers modules that register pytree types,
+        # and compiled attention graphs guard on their number (engine/attention/check.py).
+        tokenizer = load_tokenizer(config)
         rank = build_rank_zero(config)
         runner, spec, plan, max_model_len = rank.runner, rank.spec, rank.kv, rank.max_model_len
-        try:
-            tokenizer = load_tokenizer(config)
-        except BaseException:
-            close_runner(runner)
-            raise
         scheduler = build_scheduler(config, plan, spec, max_model_len)
         device, dtype = runner.device, runner.kv_cache.dtype
         eos = eos_token_ids(Path(config.model), tokenizer)

@@ -3,7 +3,8 @@
 A kernel that fails to compile or disagrees on this device would otherwise fail requests at
 serving time; checked once at start-up, `auto` falls back to the reference instead. On the real
 pool the check also compiles the backend's first graph before traffic arrives, and on CUDA the
-warm-up compiles the other step sizes too.
+warm-up compiles the other step sizes too; just before serving, refresh_warm_up compiles them
+again if an import since has changed what compiled graphs guard on.
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ def _check(runner: ModelRunner, case: list[tuple[int, int]]) -> float:
 
 # Query-row buckets compiled at start-up; a step with more tokens compiles on first use.
 WARM_UP_MAX_ROWS = 4096
+# Devices whose backend compiles its step sizes at start-up (on the CPU each takes seconds of
+# C++ compiling: it compiles on first use there; tests warm up on the CPU too).
+WARM_UP_DEVICES = ("cuda",)
+
+
+def pytree_types() -> int:
+    """The types torch's pytree knows. Compiled graphs guard on their number: an import that
+    registers more (transformers' model outputs, on a first tokenizer load) makes every
+    compiled step size recompile once, in the first step of that size after it: seen as
+    0.3-0.7 s pauses of every stream on an H100 when a burst of prompts arrived."""
+    return len(torch.utils._pytree.SUPPORTED_NODES)
 
 
 def warm_up_buckets(max_rows: int, block_tokens: int) -> list[int]:
@@ -111,7 +123,24 @@ def warm_up_attention(runner: ModelRunner, max_rows: int) -> list[int]:
             k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[0, 1]
             runner.attention.forward(q, k_cache, v_cache, meta, spec.head_dim ** -0.5)
             done.append(rows)
+    runner.attention.warmed_up = max_rows, pytree_types()
     return done
+
+
+def refresh_warm_up(runner: ModelRunner) -> bool:
+    """Just before serving: warm the backend up again if torch's pytree registry changed since
+    its warm-up (an import in between), so the recompiles happen now, not in served steps.
+    True when it did (logged: an import order to fix)."""
+    warmed = getattr(runner.attention, "warmed_up", None)
+    if warmed is None or warmed[1] == pytree_types():
+        return False
+    started = time.monotonic()
+    warm_up_attention(runner, warmed[0])
+    logger.warning("attention backend %s compiled its step sizes again in %.1f s: torch's "
+                   "pytree registry went from %d to %d types after the warm-up (an import), "
+                   "which would have recompiled each size in a served step",
+                   runner.attention.name, time.monotonic() - started, warmed[1], pytree_types())
+    return True
 
 
 def prepare_attention(runner: ModelRunner, asked: str, max_num_seqs: int, max_rows: int) -> None:
@@ -120,7 +149,7 @@ def prepare_attention(runner: ModelRunner, asked: str, max_num_seqs: int, max_ro
     if hasattr(runner.attention, "reserve"):  # flex: its table sized once, never regrown
         runner.attention.reserve(max_num_seqs)
     check_or_fall_back(runner, asked)
-    if hasattr(runner.attention, "reserve") and runner.device.type == "cuda":
+    if hasattr(runner.attention, "reserve") and runner.device.type in WARM_UP_DEVICES:
         # Each new step size would otherwise stall its requests for seconds (seen on an H100).
         started = time.monotonic()
         buckets = warm_up_attention(runner, max_rows)

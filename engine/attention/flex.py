@@ -54,6 +54,8 @@ class FlexAttention(AttentionBackend):
     def __init__(self, device: torch.device, kv_block: int = 16) -> None:
         self.kv_block = kv_block
         self.capacity = 16
+        # (max_rows, pytree types) of the latest warm-up (engine/attention/check.py); None: none
+        self.warmed_up: tuple[int, int] | None = None
         # Triton tiles equal to the BlockMask's blocks, as in vLLM's flex backend: decode rows of
         # many sequences share a query block, so large tiles would mostly compute masked pairs.
         # The main kernel, as vLLM forces too: flex_decoding (auto below 128 query rows) is

@@ -38,6 +38,7 @@ def main() -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 stops us by closing the pipe
         signal.signal(signum, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    from engine.attention.check import refresh_warm_up
     from engine.runner_setup import build_rank, rank_device
 
     shard = Shard(args.rank, args.size)
@@ -45,6 +46,7 @@ def main() -> int:
     comm = init_group(shard, device, args.store_path)
     runner = build_rank(args.config, device, shard, comm).runner
     comm.serving_timeout(args.config.collective_timeout_s)
+    refresh_warm_up(runner)
     freeze_start_up_heap()
     steps = 0
     try:

@@ -1,0 +1,91 @@
+"""Compiled attention stays compiled once serving starts: no step recompiles a size the warm-up
+compiled. Compiled graphs guard on the number of types torch's pytree knows, so an import after
+the warm-up (transformers' model outputs, on the first tokenizer load) made every size
+recompile once in a served step: 0.3-0.7 s pauses of every stream on an H100. FlexAttention
+warms up on CUDA only; here it is warmed up on the CPU too (two small sizes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import engine.attention.check as check
+from engine import EngineConfig, LLMEngine
+from tests.models_fixtures import build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = {"batching": "paged", "dtype": "float32", "device": "cpu", "max_num_seqs": 4,
+          "max_model_len": 96, "num_kv_blocks": 64, "attention_backend": "flex",
+          "max_num_batched_tokens": 32}  # warm-up sizes: 16 and 32 query rows
+
+# A fresh process, as a server's core is: nothing imported but what the engine imports.
+SERVE_IN_A_FRESH_PROCESS = """
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+import engine.attention.check as check
+check.WARM_UP_DEVICES = ("cuda", "cpu")
+from engine import EngineConfig, LLMEngine, SamplingParams
+engine = LLMEngine.from_config(EngineConfig(model=sys.argv[1], **json.loads(sys.argv[2])))
+warmed = engine.runner.attention.warmed_up
+compiled = counters["stats"]["unique_graphs"]
+for i, n in enumerate([5, 9, 14, 20, 3]):
+    engine.add_request(f"r{i}", list(range(3, 3 + n)),
+                       SamplingParams(max_new_tokens=6, min_new_tokens=6))
+while engine.has_unfinished():
+    engine.step()
+print(json.dumps({"warmed": warmed,
+                  "recompiled": counters["stats"]["unique_graphs"] - compiled}))
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("warm-up-model"))
+
+
+def test_served_steps_compile_nothing_in_a_fresh_process(model_dir) -> None:
+    done = subprocess.run([sys.executable, "-c", SERVE_IN_A_FRESH_PROCESS, str(model_dir),
+                           json.dumps(CONFIG)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["warmed"][0] == 32  # the warm-up ran, up to the step budget
+    assert result["recompiled"] == 0
+
+
+class Registered:
+    """A type registered with torch's pytree after the warm-up, as an import would."""
+
+
+def test_refresh_compiles_again_once_the_pytree_registry_changed(model_dir, monkeypatch,
+                                                                 caplog) -> None:
+    monkeypatch.setattr(check, "WARM_UP_DEVICES", ("cuda", "cpu"))
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), **CONFIG))
+    runner = engine.runner
+    try:
+        assert not check.refresh_warm_up(runner)  # nothing changed since the warm-up
+        torch.utils._pytree.register_pytree_node(
+            Registered, lambda x: ([], None), lambda children, context: Registered())
+        try:
+            compiled = counters["stats"]["unique_graphs"]
+            with caplog.at_level(logging.WARNING, "engine.attention.check"):
+                assert check.refresh_warm_up(runner)
+            # The premise: the change invalidated both warmed sizes (they compiled again) ...
+            assert counters["stats"]["unique_graphs"] == compiled + 2
+            assert "pytree registry went from" in caplog.text
+            compiled = counters["stats"]["unique_graphs"]
+            check.warm_up_attention(runner, 32)  # ... and steps of those sizes now do not
+            assert counters["stats"]["unique_graphs"] == compiled
+            assert not check.refresh_warm_up(runner)
+        finally:
+            torch.utils._pytree._deregister_pytree_node(Registered)
+    finally:
+        engine.close()
