@@ -87,10 +87,17 @@ class LLMEngine:
         from engine.runner_setup import build_rank_zero
 
         # Before the rank: its first load imports transformers modules that register pytree types,
-        # and compiled attention graphs guard on their number (engine/attention/check.py).
-        tokenizer = load_tokenizer(config)
+        # and compiled attention graphs guard on their number (engine/attention/check.py). Its
+        # error waits for the rank's, which names what cannot be served about the model.
+        try:
+            tokenizer, tokenizer_error = load_tokenizer(config), None
+        except Exception as err:
+            tokenizer, tokenizer_error = None, err
         rank = build_rank_zero(config)
         runner, spec, plan, max_model_len = rank.runner, rank.spec, rank.kv, rank.max_model_len
+        if tokenizer_error is not None:
+            close_runner(runner)
+            raise tokenizer_error
         scheduler = build_scheduler(config, plan, spec, max_model_len)
         device, dtype = runner.device, runner.kv_cache.dtype
         eos = eos_token_ids(Path(config.model), tokenizer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,21 @@ def test_refresh_compiles_again_once_the_pytree_registry_changed(model_dir, monk
             torch.utils._pytree._deregister_pytree_node(Registered)
     finally:
         engine.close()
+
+
+def test_a_broken_tokenizer_still_fails_the_engine_after_the_model_loads(model_dir, tmp_path,
+                                                                       monkeypatch) -> None:
+    """The tokenizer loads first (above), but its error waits for the model's checks, which
+    name what cannot be served; a servable model then fails with the tokenizer's error and
+    frees what it built."""
+    import engine.llm_engine as llm_engine
+
+    broken = tmp_path / "broken-tokenizer"
+    shutil.copytree(model_dir, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    closed = []
+    monkeypatch.setattr(llm_engine, "close_runner", lambda runner: closed.append(runner))
+    with pytest.raises(json.JSONDecodeError):  # transformers' own error for that file
+        LLMEngine.from_config(EngineConfig(model=str(broken), batching="paged", device="cpu",
+                                           dtype="float32", max_model_len=96))
+    assert len(closed) == 1
