@@ -52,9 +52,13 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("warm-up-model"))
 
 
-def test_served_steps_compile_nothing_in_a_fresh_process(model_dir) -> None:
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a CUDA GPU"))])
+def test_served_steps_compile_nothing_in_a_fresh_process(model_dir, device) -> None:
+    config = {**CONFIG, "device": device, "dtype": "float32" if device == "cpu" else "bfloat16"}
     done = subprocess.run([sys.executable, "-c", SERVE_IN_A_FRESH_PROCESS, str(model_dir),
-                           json.dumps(CONFIG)], cwd=ROOT, capture_output=True, text=True,
+                           json.dumps(config)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
