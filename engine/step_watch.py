@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 SLOW_SECONDS = 0.1  # a step is slow past this
 SLOW_FACTOR = 10.0  # and past this many times the usual step (a moving average)
 USUAL_WEIGHT = 1 / 64  # of each new step in that average
-WARN_FIRST = 20  # slow steps each warned about; after them every WARN_EVERY-th
+WARN_FIRST = 20  # slow steps each warned about; after them every warn_every-th
 SAMPLE_SECONDS = 0.05  # how often the sampler looks for a step running past slow_seconds
 STACK_FRAMES = 6  # innermost frames of the engine thread quoted
 
