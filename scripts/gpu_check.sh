@@ -177,9 +177,11 @@ EOF
     tar -czf "$OUT/sweep-logs.tar.gz" -C /tmp/gpu-check-sweep . 2> /dev/null
     grep -hE "heap frozen|tokenizer view built" /tmp/gpu-check-sweep/*/*.server.log | sed -E 's/^[0-9-]+ [0-9:,]+ //' \
         >> "$OUT/summary.txt"
-    # What the stalls were (engine/step_watch.py): phases, collections, compiles, the stack
+    # Slow steps and recompiles once serving (engine/step_watch.py): none expected since
+    # 11db9b8; the warm-up's own recompiles come before "model loaded"
     for log in /tmp/gpu-check-sweep/*/*.server.log; do
-        grep -hE "slow engine step|Recompiling" "$log" | head -6 | cut -c1-900 | \
+        awk '/model loaded in/{on=1} on' "$log" | grep -E "slow engine step|Recompiling|    - " | \
+            grep -v "size mismatch" | head -8 | cut -c1-900 | \
             sed "s|^|$(basename "$(dirname "$log")")/$(basename "$log" .server.log): |"
     done >> "$OUT/summary.txt"
 fi
