@@ -31,7 +31,6 @@ class EngineClient:
         """Serve `engine` (already loaded here) from a core thread."""
         self._init(ThreadCore(engine), engine.tokenizer, engine.limits, engine.config,
                    max_queued, on_step, engine.guided)
-        self._local_engine = engine
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_queued: int,
@@ -91,14 +90,9 @@ class EngineClient:
         self.max_prompt_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
         self._loop = EngineLoop(core, tokenizer, config.max_num_seqs, max_queued, on_step,
                                 id_prefix)
-        self._local_engine: LLMEngine | None = None  # the engine, when its core is a thread here
 
     def start(self) -> None:
         self._guided.wait_built()  # its build would stall the first requests' steps
-        if self._local_engine is not None:  # a core process does this before it is ready
-            from engine.attention.check import refresh_warm_up
-
-            refresh_warm_up(self._local_engine.runner)
         self._loop.start()
 
     def shutdown(self, grace_seconds: float) -> None:

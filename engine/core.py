@@ -196,6 +196,11 @@ class ThreadCore:
         self._thread = threading.Thread(target=core.run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
+        """As a core process before it is ready: compiled attention still valid (else compiled
+        again now, not in a served step). The heap is not frozen: this process goes on."""
+        from engine.attention.check import refresh_warm_up  # torch: the engine has loaded it
+
+        refresh_warm_up(self.engine.runner)
         self._thread.start()
 
     def send(self, message: CoreMessage) -> None:

@@ -112,3 +112,22 @@ def test_a_broken_tokenizer_still_fails_the_engine_after_the_model_loads(model_d
         LLMEngine.from_config(EngineConfig(model=str(broken), batching="paged", device="cpu",
                                            dtype="float32", max_model_len=96))
     assert len(closed) == 1
+
+
+def test_a_thread_core_refreshes_before_its_first_step(model_dir, monkeypatch, caplog) -> None:
+    """EngineClient(engine).start(): the core thread's start compiles again, as a core process
+    does before it is ready, when the registry changed after the warm-up."""
+    from engine import EngineClient
+
+    monkeypatch.setattr(check, "WARM_UP_DEVICES", ("cuda", "cpu"))
+    client = EngineClient(LLMEngine.from_config(EngineConfig(model=str(model_dir), **CONFIG)),
+                          max_queued=2)
+    torch.utils._pytree.register_pytree_node(
+        Registered, lambda x: ([], None), lambda children, context: Registered())
+    try:
+        with caplog.at_level(logging.WARNING, "engine.attention.check"):
+            client.start()
+        assert "pytree registry went from" in caplog.text
+    finally:
+        client.shutdown(grace_seconds=0)
+        torch.utils._pytree._deregister_pytree_node(Registered)
