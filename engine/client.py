@@ -15,10 +15,11 @@ from engine.config import EngineConfig
 from engine.core import ThreadCore
 from engine.guided import GuidedDecoding
 from engine.inputs import GenerationRequest, RequestLimits
-from engine.llm_engine import LLMEngine, load_tokenizer
+from engine.llm_engine import LLMEngine
 from engine.loop import Core, EngineLoop, RequestHandle
 from engine.outputs import Gauges, StepStats
 from engine.sampling_params import RequestError
+from engine.tokenizer_files import load_tokenizer
 from engine.tokenizer_pool import MAX_CHARS_PER_TOKEN, TokenizerPool
 
 

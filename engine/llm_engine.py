@@ -19,6 +19,7 @@ from engine.phases import NoPhases, PhaseClock
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, build_scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.tokenizer_files import load_tokenizer
 
 if TYPE_CHECKING:
     from engine.model_runner import StepResult
@@ -346,14 +347,6 @@ class LLMEngine:
                               seq.num_known_output_tokens, reason, error)
         return StepOutput(req.request_id, sample.token_id, sample.logprob, seq.num_prompt_tokens,
                           seq.num_known_output_tokens, reason, error, sample.top_logprobs)
-
-
-def load_tokenizer(config: EngineConfig):
-    """The model folder's tokenizer (no code from the folder unless trust_remote_code)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code,
-                                         local_files_only=True)
 
 
 def close_runner(runner) -> None:

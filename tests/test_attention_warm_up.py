@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 
 import engine.attention.check as check
 from engine import EngineConfig, LLMEngine
+from engine.tokenizer_files import TokenizerLoadError
 from tests.models_fixtures import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +109,7 @@ def test_a_broken_tokenizer_still_fails_the_engine_after_the_model_loads(model_d
     (broken / "tokenizer.json").write_text("{not json")
     closed = []
     monkeypatch.setattr(llm_engine, "close_runner", lambda runner: closed.append(runner))
-    with pytest.raises(json.JSONDecodeError):  # transformers' own error for that file
+    with pytest.raises(TokenizerLoadError, match="tokenizer.json is not valid JSON"):
         LLMEngine.from_config(EngineConfig(model=str(broken), batching="paged", device="cpu",
                                            dtype="float32", max_model_len=96))
     assert len(closed) == 1
