@@ -6,10 +6,10 @@ with a paragraph about converting slow tokenizers; the user has to guess which f
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.model_files import ModelFileError, json_problem
 
 # Files a tokenizer loads as JSON, in the order transformers reads them
 JSON_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
@@ -19,7 +19,7 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 MAX_DETAIL = 300  # characters of transformers' own message kept
 
 
-class TokenizerLoadError(ValueError):
+class TokenizerLoadError(ModelFileError):
     """The model folder's tokenizer cannot be loaded; the message names the file and why."""
 
 
@@ -41,12 +41,9 @@ def tokenizer_problem(folder: Path, err: Exception) -> str:
     to blame."""
     for name in JSON_FILES:
         path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            json.loads(path.read_bytes())
-        except ValueError as bad:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            return f"{name} is not valid JSON ({bad})"
+        problem = json_problem(path) if path.is_file() else None
+        if problem is not None:
+            return problem
     if folder.is_dir() and not any((folder / name).is_file() for name in VOCABULARY_FILES):
         return f"the folder has none of {', '.join(VOCABULARY_FILES)}"
     detail = " ".join(str(err).split())  # transformers' messages run over several lines

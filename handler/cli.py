@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -131,6 +130,7 @@ def resolve_config(args: argparse.Namespace, environ):
     Needs no network: a model that is built (the default model) or downloaded (s3://) on first
     use is prepared by the returned callable in the loader thread, while /ping answers 503.
     """
+    from engine.model_files import read_json_object
     from handler.config.serving_config import build_serving_config
     from handler.model_source.default_model import default_model_dir, ensure_default_model
     from handler.model_source.s3 import is_complete
@@ -154,7 +154,7 @@ def resolve_config(args: argparse.Namespace, environ):
         architectures = ["LlamaForCausalLM"]
     else:  # a folder with only a custom handler may have no config.json
         config_json = model_dir / "config.json"
-        architectures = json.loads(config_json.read_text()).get("architectures", []) if (
+        architectures = read_json_object(config_json).get("architectures", []) if (
             config_json.is_file()) else []
     return build_serving_config(settings, model_dir, architectures), prepare
 

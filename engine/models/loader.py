@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
+from engine.model_files import open_checkpoint, read_json_object
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
@@ -45,7 +44,7 @@ def read_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json: not a transformers model folder")
-    return json.loads(path.read_text())
+    return read_json_object(path)
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -119,7 +118,7 @@ def read_weights(model, files: list[Path]) -> None:
         param.zero_()  # a vocabulary slice's padding rows and other ranks' biases stay zero
     written: Counter[str] = Counter()
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_checkpoint(file) as f:
             names = list(f.keys())
         for name in names:
             for place in model.weight_placements(name):
@@ -139,7 +138,7 @@ def _copy_part(file: Path, name: str, place, param: torch.Tensor) -> int:
     so one mapping per file would hold a whole shard file beside the model."""
     if place.index is None:
         return param.shape[0]
-    with safe_open(file, framework="pt", device="cpu") as f:
+    with open_checkpoint(file) as f:
         whole = f.get_slice(name)
         part = whole[place.index]
         if part.shape[1:] != param.shape[1:] or place.offset + part.shape[0] > param.shape[0]:
@@ -155,7 +154,7 @@ def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     path = model_dir / "generation_config.json"
     if path.exists():
-        eos = json.loads(path.read_text()).get("eos_token_id")
+        eos = read_json_object(path).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

@@ -16,12 +16,12 @@ concurrent handler calls (maxWorkers > 1) are batched together."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from engine import EngineClient, GenerationRequest
+from engine.model_files import read_json_object
 from handler.config.properties import Setting, canonical_key
 from handler.config.serving_config import ServingConfig, build_serving_config
 from handler.http.schemas import HTTPError, details_dict, sampling_params, token_dict
@@ -89,7 +89,7 @@ def load_engine(properties: Mapping[str, str]) -> LocalEngine:
     settings = {canonical_key(key if key in ("job_queue_size", "max_batch_delay")
                               else f"option.{key}"): Setting(str(value), "handler properties")
                 for key, value in properties.items() if key not in _PROCESS_KEYS}
-    architectures = json.loads((model_dir / "config.json").read_text()).get("architectures", [])
+    architectures = read_json_object(model_dir / "config.json").get("architectures", [])
     config = build_serving_config(settings, model_dir, architectures)
     client = EngineClient.from_config(config.engine, config.job_queue_size)
     client.start()
