@@ -23,6 +23,7 @@ from engine.heap import freeze_start_up_heap
 from engine.inputs import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineDeadError, QueueFullError, RequestHandle
+from engine.model_files import ModelFileError, read_json_object
 from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
 from engine.outputs import Gauges, StepStats, TokenEvent
 from engine.sampling_params import MAX_TOP_LOGPROBS, RequestError, SamplingParams
@@ -33,7 +34,7 @@ __all__ = [
     "MAX_TOP_LOGPROBS", "MODEL_IMPLS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
     "CoreAddress", "CoreServer", "EngineClient", "EngineConfig", "EngineDeadError",
     "FinishReason", "Gauges",
-    "GenerationRequest", "GuidedSpec", "LLMEngine", "QueueFullError", "RequestError",
-    "RequestHandle", "SamplingParams", "StepStats", "TokenEvent", "check_spec",
-    "freeze_start_up_heap",
+    "GenerationRequest", "GuidedSpec", "LLMEngine", "ModelFileError", "QueueFullError",
+    "RequestError", "RequestHandle", "SamplingParams", "StepStats", "TokenEvent", "check_spec",
+    "freeze_start_up_heap", "read_json_object",
 ]

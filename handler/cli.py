@@ -130,7 +130,7 @@ def resolve_config(args: argparse.Namespace, environ):
     Needs no network: a model that is built (the default model) or downloaded (s3://) on first
     use is prepared by the returned callable in the loader thread, while /ping answers 503.
     """
-    from engine.model_files import read_json_object
+    from engine import read_json_object
     from handler.config.serving_config import build_serving_config
     from handler.model_source.default_model import default_model_dir, ensure_default_model
     from handler.model_source.s3 import is_complete

@@ -20,8 +20,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from engine import EngineClient, GenerationRequest
-from engine.model_files import read_json_object
+from engine import EngineClient, GenerationRequest, read_json_object
 from handler.config.properties import Setting, canonical_key
 from handler.config.serving_config import ServingConfig, build_serving_config
 from handler.http.schemas import HTTPError, details_dict, sampling_params, token_dict
