@@ -87,6 +87,18 @@ class RequestHandle:
             self.finished = event.finished
             yield event
 
+    def take_ready(self) -> list[TokenEvent]:
+        """The events already queued, up to the final one, without waiting: for a reader that
+        the output thread drives through on_delivery() (a stream written without its request
+        thread). events() then goes on after them."""
+        ready: list[TokenEvent] = []
+        events = self._events
+        while not self.finished and not events.empty():
+            event = events.get_nowait()
+            self.finished = event.finished
+            ready.append(event)
+        return ready
+
     def has_queued_events(self) -> bool:
         """Whether events() would yield its next event without waiting."""
         return not self._events.empty()

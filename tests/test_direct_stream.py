@@ -49,12 +49,14 @@ class _Loop:
         assert not worker.is_alive(), "delivering the events blocked"
 
 
-def _lines(handle: RequestHandle, made_on: list[str], fail_at: int | None = None):
-    for i, event in enumerate(handle.events()):
-        if i == fail_at:
+def _line_of(made_on: list[str], fail_at: int | None = None):
+    """A route's line maker, noting the thread that made each line."""
+    def line_of(event: TokenEvent) -> dict:
+        if len(made_on) == fail_at:
             raise RuntimeError("a line maker failed")
         made_on.append(threading.current_thread().name)
-        yield {"id": event.token_id, "text": event.text}, event
+        return {"id": event.token_id, "text": event.text}
+    return line_of
 
 
 def _text(line: dict, event: TokenEvent) -> str:
@@ -66,8 +68,9 @@ class _Request:
 
     def __init__(self, loop: _Loop, sock: socket.socket, fail_at: int | None = None) -> None:
         self.made_on: list[str] = []
-        self.lines = _lines(loop.handle, self.made_on, fail_at)
-        self.writer = DirectWriter(loop.handle, sock, self.lines, _text)
+        self.line_of = _line_of(self.made_on, fail_at)
+        self.handle = loop.handle
+        self.writer = DirectWriter(loop.handle, sock, self.line_of, _text)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="request", daemon=True)
         self.thread.start()
@@ -81,6 +84,10 @@ class _Request:
     def join(self) -> None:
         self.thread.join(WAIT)
         assert not self.thread.is_alive(), "the request thread is still waiting"
+
+    def rest(self) -> list[tuple[dict, TokenEvent]]:
+        """The lines left to the request thread: those of the events the writer did not take."""
+        return [(self.line_of(event), event) for event in self.handle.events()]
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytes:
@@ -178,7 +185,7 @@ def test_a_client_that_falls_behind_gets_the_rest_from_its_request_thread() -> N
         request.join()
         assert request.error is None and not request.writer.ended
         loop.deliver(_event(1, last=True))  # queued for the request thread now
-        rest = [_text(line, event) for line, event in request.lines]
+        rest = [_text(line, event) for line, event in request.rest()]
         assert rest == ["11:t1\n"]
         assert request.made_on[-1] == "MainThread" and "request" not in request.made_on
         server.sendall(rest[0].encode())
@@ -244,7 +251,7 @@ def test_when_the_output_thread_stops_the_request_thread_takes_over(pair) -> Non
     loop.delivering = False
     request.join()
     assert request.error is None and not request.writer.ended
-    last = list(request.lines)[-1][1]  # the handle's own end: the loop stopped
+    last = request.rest()[-1][1]  # the handle's own end: the loop stopped
     assert last.finish_reason == "error" and "stopped" in last.error
 
 
@@ -298,7 +305,7 @@ def test_stream_response_hands_a_full_socket_back_to_its_request_thread() -> Non
     try:
         with Flask(__name__).test_request_context("/", method="POST",
                                                   environ_overrides=environ):
-            response = stream_response(_lines(loop.handle, made_on), loop.handle,
+            response = stream_response(_line_of(made_on), loop.handle,
                                        SimpleNamespace(metrics=metrics), sse=False,
                                        done_line=False, start=0.0, coalesce=True, direct=True)
         loop.handle._events.put(_event(0))

@@ -15,8 +15,8 @@ from handler.cli import passive_openmp
 from handler.http.chat import parse_chat
 from handler.http.chat_route import ChoiceStream, _plain_content
 from handler.http.completions import CompletionLines, completion_chunk, parse_completion
-from handler.http.generation import line_text, stream_response
-from handler.http.schemas import token_dict, token_line_json
+from handler.http.generation import GenerateLines, line_text, stream_response
+from handler.http.schemas import GenerateRequest, parse_generate, token_dict, token_line
 
 NUM_EVENTS = 5
 
@@ -26,18 +26,22 @@ def _events() -> list[TokenEvent]:
                        "length" if i == NUM_EVENTS - 1 else None) for i in range(NUM_EVENTS)]
 
 
-def _lines(handle: RequestHandle, fail_at: int | None = None):
-    for i, e in enumerate(handle.events()):
-        if i == fail_at:
+def _line_of(fail_at: int | None = None):
+    made = []
+
+    def line_of(e: TokenEvent) -> dict:
+        if len(made) == fail_at:
             raise RuntimeError("an output formatter failed")
-        yield {"token": {"id": e.token_id, "text": e.text}}, e
+        made.append(e)
+        return {"token": {"id": e.token_id, "text": e.text}}
+    return line_of
 
 
 def _response(handle: RequestHandle, sse: bool = False, coalesce: bool = True,
               fail_at: int | None = None):
     metrics = SimpleNamespace(on_abort=lambda *a: None, on_request=lambda *a: None,
                               on_stream=lambda *a: None)
-    return stream_response(_lines(handle, fail_at), handle, SimpleNamespace(metrics=metrics),
+    return stream_response(_line_of(fail_at), handle, SimpleNamespace(metrics=metrics),
                            sse=sse, done_line=sse, start=0.0, coalesce=coalesce)
 
 
@@ -108,29 +112,48 @@ TEXTS = ["", " hello", "é", "日本語", "🙂", 'say "hi"\\', "tab\tnew\nline\
 LOGPROBS = [None, -0.5, 0.0, -0.0, -1e-300, -123456.789, -2.220446049250313e-16]
 
 
+def _stream_request(**parameters) -> GenerateRequest:
+    return parse_generate({"inputs": "hi", "parameters": {"max_new_tokens": 4, **parameters},
+                           "stream": True}, wants_stream=True)
+
+
 @pytest.mark.parametrize("sse", [False, True])
 def test_a_token_line_is_the_text_json_dumps_makes(sse) -> None:
+    """GenerateLines writes a plain token line itself; its text is json.dumps's, framed."""
     for i, (text, logprob) in enumerate((t, lp) for t in TEXTS for lp in LOGPROBS):
-        line = {"token": token_dict(TokenEvent("r", i * 7919, text, logprob, 3, 1, None))}
-        assert token_line_json(line) is not None  # the fast path, not the fallback
-        body = json.dumps(line)
-        assert line_text(line, sse) == (f"data: {body}\n\n" if sse else body + "\n")
+        event = TokenEvent("r", i * 7919, text, logprob, 3, 1, None)
+        line = {"token": token_dict(event)}
+        assert token_line(event) == json.dumps(line)
+        made = GenerateLines(_stream_request(), lambda ids: "", sse)(event)
+        assert made == line_text(line, sse)  # text: the fast path, not a dict
 
 
-@pytest.mark.parametrize("line", [
-    {"token": {"id": 1, "text": "a", "log_prob": float("nan")}},  # json.dumps writes NaN
-    {"token": {"id": 1, "text": "a", "log_prob": float("-inf")}},
-    {"token": {"id": True, "text": "a", "log_prob": -1.0}},
-    {"token": {"id": 1, "text": None, "log_prob": -1.0}},
-    {"token": {"text": "a", "id": 1, "log_prob": -1.0}},  # another key order
-    {"token": {"id": 1, "text": "a", "log_prob": -1.0, "special": False}},
-    {"token": {"id": 1, "text": "a", "log_prob": -1.0}, "generated_text": "a"},
-    {"token": {"id": 1, "text": "a", "log_prob": -1}},  # an int log_prob
-    {"details": None},
+@pytest.mark.parametrize("event", [
+    TokenEvent("r", 1, "a", float("nan"), 3, 1, None),  # json.dumps writes NaN
+    TokenEvent("r", 1, "a", float("-inf"), 3, 1, None),
+    TokenEvent("r", True, "a", -1.0, 3, 1, None),
+    TokenEvent("r", 1, "a", -1, 3, 1, None),  # an int log_prob
+    TokenEvent("r", None, "", None, 3, 0, None),  # no token
 ])
-def test_any_other_line_is_left_to_json_dumps(line) -> None:
-    assert token_line_json(line) is None
-    assert line_text(line, False) == json.dumps(line) + "\n"
+def test_any_other_token_line_is_left_to_json_dumps(event) -> None:
+    assert token_line(event) is None
+    line = GenerateLines(_stream_request(), lambda ids: "", False)(event)
+    assert type(line) is dict and line_text(line, False) == json.dumps(line) + "\n"
+
+
+def test_generate_lines_are_objects_where_something_reshapes_them() -> None:
+    """Without sse (TGI's lines, an output formatter), every line is a JSON object; the last
+    holds the whole text and details; top_tokens lines are objects either way."""
+    events = [TokenEvent("r", 10 + i, t, -0.5, 3, i + 1, "length" if i == 2 else None)
+              for i, t in enumerate(["a", "b", "c"])]
+    make = GenerateLines(_stream_request(details=True), lambda ids: "", None)
+    lines = [make(e) for e in events]
+    assert lines[0] == {"token": {"id": 10, "text": "a", "log_prob": -0.5}}
+    assert lines[2]["generated_text"] == "abc"
+    assert lines[2]["details"] == {"finish_reason": "length", "generated_tokens": 3,
+                                   "inputs": 3}
+    with_top = GenerateLines(_stream_request(top_n_tokens=1), lambda ids: "x", False)
+    assert "top_tokens" in with_top(events[0])
 
 
 def _chat_events(texts: list[str]) -> list[TokenEvent]:

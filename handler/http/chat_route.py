@@ -7,7 +7,7 @@ import json
 
 from flask import Response
 
-from engine import RequestError, RequestHandle, TokenEvent
+from engine import RequestError, TokenEvent
 from handler.http.chat import (
     ChatRequest,
     chat_chunk,
@@ -16,10 +16,10 @@ from handler.http.chat import (
     each_choice,
     parse_chat,
 )
-from handler.http.choices import HandleGroup, one_stream
+from handler.http.choices import one_stream
 from handler.http.completions import usage_chunk
+from handler.http.direct_stream import LineOf
 from handler.http.generation import (
-    Lines,
     admit,
     collect_all,
     line_text,
@@ -60,13 +60,13 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
         raise
     if chat.stream:
         handle, index = one_stream(handles)
-        lines, streams = _chunks(state, chat, handle, index, sse)
+        line_of, streams = _chunks(state, chat, index, sse)
         trailer = (lambda _: usage_chunk(chat.completion_id, "chat.completion.chunk",
                                          chat.created, state.model_name,
                                          [s.last for s in streams])
                    ) if chat.include_usage else None
         one = chat.n == 1  # n choices merge their events on threads: no queue to look into
-        return stream_response(lines, handle, state, sse=sse, done_line=sse, start=start,
+        return stream_response(line_of, handle, state, sse=sse, done_line=sse, start=start,
                                trailer=trailer, coalesce=one, direct=one)
     answers = collect_all(state, handles, start)
     return Response(json.dumps(chat_completion(chat, state.model_name, answers,
@@ -160,16 +160,15 @@ def _merged(entries: list[dict]) -> list[dict]:
     return [merged]
 
 
-def _chunks(state: ServerState, chat: ChatRequest, handle: RequestHandle | HandleGroup,
-            index: dict[str, int], sse: bool) -> tuple[Lines, list[ChoiceStream]]:
+def _chunks(state: ServerState, chat: ChatRequest, index: dict[str, int],
+            sse: bool) -> tuple[LineOf, list[ChoiceStream]]:
     """Each choice's chunks, in the order their events come: one line per event, holding
     the event's chunks, none while a tool call is being decided, or several."""
     streams = [ChoiceStream(chat, state.model_name, state.engine.decode, i)
                for i in range(chat.n)]
 
-    def lines() -> Lines:
-        for event in handle.events():
-            stream = streams[index[event.request_id]]
-            yield "".join(stream.line(chunk, sse) for chunk in stream.feed(event)), event
+    def line_of(event: TokenEvent) -> str:
+        stream = streams[index[event.request_id]]
+        return "".join(stream.line(chunk, sse) for chunk in stream.feed(event))
 
-    return lines(), streams
+    return line_of, streams

@@ -20,14 +20,17 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from engine import RequestHandle, TokenEvent
 
 # How often a waiting request thread checks its client and that the output thread still runs
 # (the same cadence as a request thread reading its events with a cancel check).
 WAIT_SECONDS = 0.1
-Line = tuple[dict | str | bytes, TokenEvent]  # what a route makes of an event
+# A route's line for one event: a JSON object, or its text (str: framed as written; bytes: an
+# output formatter's). A stateful callable, called once per event in order, by one thread at a
+# time: the request thread, or the output thread while it writes the stream.
+LineOf = Callable[[TokenEvent], dict | str | bytes]
 TextOf = Callable[[dict | str | bytes, TokenEvent], str | bytes]  # a line as written
 
 
@@ -58,22 +61,22 @@ class DirectWriter:
     """Writes one stream's lines from the output thread until the stream ends, the client's
     socket is full or fails, or the output thread stops; the request thread waits in write()."""
 
-    def __init__(self, handle: RequestHandle, sock: socket.socket, lines: Iterator[Line],
+    def __init__(self, handle: RequestHandle, sock: socket.socket, line_of: LineOf,
                  text_of: TextOf) -> None:
         self._handle = handle
         self._sock = sock
-        self._lines = lines  # one line per event
+        self._line_of = line_of
         self._text_of = text_of
-        self._lock = threading.Lock()  # held while the lines are advanced: by one thread only
+        self._lock = threading.Lock()  # held while lines are made: by one thread only
         self._done = threading.Event()  # the output thread has let go of the stream
         self._unsent = b""  # a chunk the client's socket did not take whole
         self._error: BaseException | None = None
         self.ended = False  # the stream's final line is written
 
     def write(self) -> None:
-        """Have the output thread write the lines (each made text by `text_of`); return once
-        the stream is written, or once the request thread must write the rest itself (from
-        `lines`, where this left off). Raises what a line maker or the socket raised."""
+        """Have the output thread write each event's line (made text by `text_of`); return
+        once the stream is written, or once the request thread must write the rest itself (the
+        events after those taken here). Raises what a line maker or the socket raised."""
         self._handle.on_delivery(self._drive)
         self._drive()  # what came while the response's headers went out
         while not self._done.wait(WAIT_SECONDS):
@@ -96,14 +99,12 @@ class DirectWriter:
             if self._done.is_set():
                 return
             parts: list[bytes] = []
+            line_of, text_of = self._line_of, self._text_of
             try:
-                while not self.ended and self._handle.has_queued_events():
-                    line, event = next(self._lines)
-                    text = self._text_of(line, event)
+                for event in self._handle.take_ready():
+                    text = text_of(line_of(event), event)
                     parts.append(text.encode() if isinstance(text, str) else text)
                     self.ended = event.finished
-            except StopIteration:
-                self.ended = True
             except Exception as err:  # a line maker's failure: the request thread raises it
                 self._error = err
             data = b"".join(parts)

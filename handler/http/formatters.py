@@ -10,12 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from handler.http.direct_stream import LineOf
 from handler.http.schemas import bad_request
-
-if TYPE_CHECKING:  # generation.py imports the server state, which holds Formatters
-    from handler.http.generation import Lines
 
 BodyFn = Callable[[dict], dict]
 OutputFn = Callable[[object], object]
@@ -50,10 +47,12 @@ class Formatters:
             return json.dumps(payload), "application/json"
         return _encoded(self.output_fn(payload))
 
-    def stream(self, lines: Lines) -> Lines:
-        if self.output_fn is None:
-            return lines
-        return ((_encoded(self.output_fn(line))[0], event) for line, event in lines)
+    def stream(self, line_of: LineOf) -> LineOf:
+        """Each stream line as the output formatter reshapes it."""
+        output_fn = self.output_fn
+        if output_fn is None:
+            return line_of
+        return lambda event: _encoded(output_fn(line_of(event)))[0]
 
 
 def _encoded(value: object) -> tuple[str | bytes, str]:

@@ -3,16 +3,19 @@ json (LMI objects), jsonlines / sse (stream by default), tgi (TGI lists and SSE)
 
 from __future__ import annotations
 
+import itertools
+
 from flask import Response
 
+from engine import TokenEvent
+from handler.http.direct_stream import LineOf
 from handler.http.generation import (
     JSONLINES,
     SSE,
-    Lines,
+    GenerateLines,
     admit,
     collect_all,
     engine_errors,
-    generate_lines,
     stream_response,
     submit,
 )
@@ -37,12 +40,12 @@ def serve_generate(state: ServerState, body: dict, accept: str, start: float) ->
     handles = submit(state, prompts, gen.params, stream=gen.stream)
     decode = state.engine.decode
     if gen.stream:
-        lines = generate_lines(gen, handles[0], decode)
+        reshaped = name == "tgi" or formatters.output_fn is not None
+        line_of: LineOf = GenerateLines(gen, decode, None if reshaped else sse)
         if name == "tgi":
-            lines = _tgi_lines(lines, gen.params.seed)
-        # one line per event (generate_lines, _tgi_lines and a formatter map them 1:1); a
-        # custom output formatter (user code) runs on the request thread, never the output one
-        return stream_response(formatters.stream(lines), handles[0], state, sse=sse,
+            line_of = _tgi_line_of(line_of, gen.params.seed)
+        # a custom output formatter (user code) runs on the request thread, never the output one
+        return stream_response(formatters.stream(line_of), handles[0], state, sse=sse,
                                done_line=False, start=start, coalesce=True,
                                direct=formatters.output_fn is None)
     answers = collect_all(state, handles, start)  # one failed input aborts the rest
@@ -61,9 +64,16 @@ def _answer(state: ServerState, gen: GenerateRequest, results: list[dict]) -> Re
     return Response(body, status=200, mimetype=mimetype)
 
 
-def _tgi_lines(lines: Lines, seed: int | None) -> Lines:
-    for index, (line, event) in enumerate(lines):
-        yield tgi_stream_line(line, event, index, seed), event
+def _tgi_line_of(line_of: LineOf, seed: int | None) -> LineOf:
+    """TGI's StreamResponse of each event's LMI line, numbered from 0."""
+    count = itertools.count()
+
+    def tgi_line(event: TokenEvent) -> dict:
+        line = line_of(event)
+        assert isinstance(line, dict)  # GenerateLines without sse: JSON objects only
+        return tgi_stream_line(line, event, next(count), seed)
+
+    return tgi_line
 
 
 def _truncated(ids: list[int], truncate: int | None) -> list[int]:

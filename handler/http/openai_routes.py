@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 from flask import Response
 
@@ -42,17 +41,17 @@ def serve_completions(state: ServerState, body: dict, start: float) -> Response:
         lasts: dict[int, TokenEvent] = {}
         chunks = CompletionLines(req, model, decode)
 
-        def lines() -> Iterator[tuple[dict | str, TokenEvent]]:
-            for event in handle.events():
-                i = index[event.request_id]
-                yield chunks.line(event, first=i not in lasts, index=i), event
-                lasts[i] = event
+        def line_of(event: TokenEvent) -> dict | str:
+            i = index[event.request_id]
+            line = chunks.line(event, first=i not in lasts, index=i)
+            lasts[i] = event
+            return line
 
         trailer = (lambda _: usage_chunk(req.completion_id, "text_completion", req.created,
                                          model, [lasts[i] for i in sorted(lasts)])
                    ) if req.include_usage else None
         one = req.n == 1  # n choices merge their events on threads: no queue to look into
-        return stream_response(lines(), handle, state, sse=True, done_line=True, start=start,
+        return stream_response(line_of, handle, state, sse=True, done_line=True, start=start,
                                trailer=trailer, coalesce=one, direct=one)
     answers = collect_all(state, handles, start)
     return Response(json.dumps(completion(req, model, answers, decode=decode)), status=200,
