@@ -19,12 +19,14 @@ class IncrementalText:
         self._stream = DecodeStream(skip_special_tokens=True)
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
+        self.text = ""  # the text so far, where stop strings are searched in it
         self._num_sent = 0
 
     def add(self, token_id: int, *, check_stop: bool) -> tuple[str, bool]:
         """Decode one token; returns (new text to emit, whether a stop string ended the text)."""
         piece = self._stream.step(self._tokenizer, token_id) or ""
+        if not self._stop:  # nothing searched, nothing held back: the piece goes out whole
+            return piece, False
         searched_from = max(0, len(self.text) - self._holdback)
         self.text += piece
         stopped = check_stop and self._truncate_at_stop(searched_from)

@@ -18,6 +18,8 @@ from engine.outputs import TokenEvent
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 
+_STOP = FinishReason.STOP.value  # read once per row: an enum member's .value is a slow lookup
+
 
 class StepOutput(NamedTuple):
     """The core's news for one request in one step: a token id, its end, or both. A named
@@ -64,7 +66,7 @@ class OutputProcessor:
             if stream is None:  # already ended here by a stop string: a late token, dropped
                 continue
             event = self._event(out, stream)
-            if event.finish_reason == FinishReason.STOP.value and out.finish_reason is None:
+            if event.finish_reason == _STOP and out.finish_reason is None:
                 stopped.append(out.request_id)
             if event.finished:
                 del self._streams[out.request_id]
@@ -81,7 +83,7 @@ class OutputProcessor:
                 out.num_output_tokens >= p.min_new_tokens)
             delta, hit = stream.text.add(out.token_id, check_stop=check_stop)
             if hit:
-                finish_reason = FinishReason.STOP.value
+                finish_reason = _STOP
             elif finish_reason is not None:
                 delta += stream.text.flush()
         return TokenEvent(out.request_id, out.token_id, delta, out.logprob, out.num_prompt_tokens,
