@@ -168,3 +168,7 @@ class EngineClient:
 
     def gauges(self) -> Gauges:
         return self._loop.gauges()
+
+    def is_alive(self) -> bool:
+        """gauges().alive without the snapshot: asked on every request."""
+        return self._loop.is_alive()

@@ -74,6 +74,7 @@ def test_two_fronts_get_their_own_tokens_as_from_a_core_of_their_own(core, model
     for client in fronts:
         wait_until(lambda c=client: c.gauges().kv_blocks_used == 0)
         assert client.gauges().num_in_flight == 0 and client.gauges().alive
+        assert client.is_alive()
         client.shutdown(grace_seconds=0)
 
 

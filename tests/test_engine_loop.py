@@ -67,7 +67,7 @@ def kv_used(client: EngineClient) -> int:
 def test_a_client_never_started_still_shuts_down_its_core(model_dir) -> None:
     client = EngineClient(make_engine(model_dir, "paged"), max_queued=4)
     client.shutdown(grace_seconds=0)  # raised "cannot join thread before it is started"
-    assert not client.gauges().alive
+    assert not client.gauges().alive and not client.is_alive()
 
 
 def test_serving_starts_once_the_guided_tokenizer_is_built(model_dir, monkeypatch) -> None:
@@ -165,6 +165,7 @@ def test_repeated_failures_stop_the_loop_and_ping_turns_503(model_dir, monkeypat
             break
         assert collect(handle)[-1].finish_reason == "error"
     wait_until(lambda: not state.engine.gauges().alive)
+    assert not state.engine.is_alive() and not state.ready()  # /ping's answer, from it
     ping = client.get("/ping")
     assert ping.status_code == 503 and ping.get_json()["code"] == 503
     with pytest.raises(EngineDeadError):

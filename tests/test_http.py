@@ -193,6 +193,7 @@ def test_disconnecting_stream_aborts_and_frees_kv(server) -> None:
     (b'{"inputs": "x", "parameters": {"temperature": Infinity}}', {}, 400, "Infinity"),
     (b'{"inputs": "x", "parameters": {"top_p": 1e999}}', {}, 400, "out of range"),
     (b'{"inputs": "a\\ud800"}', {}, 400, "malformed JSON"),
+    (b'{"inputs": "a\xed\xa0\x80"}', {}, 400, "malformed JSON"),  # a surrogate's raw bytes
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 2},
      {}, 400, "top_logprobs"),
 ])
@@ -284,7 +285,7 @@ def test_loading_queue_full_and_predict_timeout(model_dir, tmp_path) -> None:
         assert ping.status_code == 503 and "loading" in ping.json()["message"]
         wait_for_ping(srv, 60)
         # A thread for each request in flight (1 running + job_queue_size 1) and 16 spare.
-        assert "(1 worker, 18 threads)" in srv.log()
+        assert "(1 worker, 18 threads), HTTP parser: gunicorn_h1c (C)" in srv.log()
         slow = {"inputs": "x", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(post, srv.url, slow) for _ in range(4)]

@@ -64,6 +64,20 @@ def test_a_malformed_request_line_gets_a_json_400(server) -> None:
     assert json.loads(body)["type"] == "BadRequest" and b"<html>" not in answer
 
 
+def test_the_server_parses_requests_with_gunicorns_c_parser() -> None:
+    """gunicorn_h1c is pinned and none of gunicorn's flags that rule it out is set: the tests
+    above (limits, malformed requests) ran through it, as a served request does."""
+    from gunicorn.config import Config
+    from gunicorn.http.message import _check_fast_parser
+
+    from handler.http.server import gunicorn_options, http_parser
+
+    cfg = Config()
+    for key, value in gunicorn_options("127.0.0.1", 8080, 4, 1.0, 1).items():
+        cfg.set(key, value)
+    assert _check_fast_parser(cfg) and http_parser() == "gunicorn_h1c (C)"
+
+
 def send_and_hang_up(url: str, body: dict, path: str = "/invocations") -> socket.socket:
     """Send a whole POST and return the open socket (the caller closes it: a disconnect)."""
     address = urlparse(url)

@@ -155,7 +155,10 @@ def _read_body() -> dict:
                         f"content type {mimetype} is not supported; use application/json")
     try:
         body = json.loads(raw or b"{}", parse_constant=_non_finite, parse_float=_finite)
-        json.dumps(body, ensure_ascii=False).encode("utf-8")  # lone surrogates: not text
+        # a lone surrogate is not text; only a \u escape or a surrogate's own UTF-8 bytes
+        # (0xED ..., which json.loads decodes with surrogatepass) can spell one
+        if b"\\u" in raw or b"\xed" in raw:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
     except (json.JSONDecodeError, UnicodeDecodeError, UnicodeEncodeError, ValueError) as err:
         raise bad_request(f"malformed JSON body: {_short(str(err))}") from err
     except RecursionError as err:  # the parser recurses once per level of [ or {

@@ -60,7 +60,7 @@ class ServerState:
             return False
         if self.runner is not None:
             return self.runner.alive()
-        return self.client is not None and self.client.gauges().alive
+        return self.client is not None and self.client.is_alive()
 
     def serves_core_process(self) -> bool:
         """Whether this process serves an engine core that runs in a process of its own."""
