@@ -86,6 +86,7 @@ def run_server(make_state: Callable[[], ServerState], host: str, port: int,
 
 def gunicorn_options(host: str, port: int, threads: int, drain_seconds: float,
                      workers: int) -> dict:
+    """The gunicorn settings `batchyard serve` runs with."""
     return {
         "bind": f"{host}:{port}", "workers": workers, "worker_class": JsonErrorWorker,
         "threads": threads, **HEADER_LIMITS,
