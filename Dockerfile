@@ -45,7 +45,8 @@ RUN if getent passwd 1000 > /dev/null; then userdel "$(getent passwd 1000 | cut 
 
 # A host C compiler: on GPU the FlexAttention backend JIT-compiles Triton launchers with it; on
 # CPU the server builds its decode attention kernel (engine/kernels/paged_decode.c) with it at
-# start-up. Recent PyTorch runtime images ship gcc; older tags and python:*-slim do not.
+# start-up; pip builds gunicorn-h1c (gunicorn's C HTTP parser, published as source only) with it.
+# Recent PyTorch runtime images ship gcc; older tags and python:*-slim do not.
 # DL3008 (apt version pins) is ignored on purpose: BASE_IMAGE may be Ubuntu or Debian, so no one
 # pin fits both; the packages come from the base release's own archive and only when missing.
 # hadolint ignore=DL3008
