@@ -27,6 +27,9 @@
 # sweep-kv-*.json, the logs into sweep-logs.tar.gz. CHECKS=served, in a second call, serves the
 # first preset over HTTP with option.api_server_count 1 and then 2 (128 streaming clients, the
 # served-gap run's raw_client.py) and puts req/s and time to first byte in summary.txt.
+# CHECKS=ratio: #17's served/offline ratio where the host has cores to spare (~2 min on CPU,
+# ~3 more on the GPU): the tiny model on CPU, offline and served on cores 0-1 with the load
+# generator on cores 2-3 and then on 0-1 too; then the first preset on the GPU, offline and served.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
@@ -43,6 +46,10 @@ if [ "${1:-}" = --fetch ]; then
 ensure_default_model; print(ensure_default_model())") || exit 1
     cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/chat_template.jinja \
         "$CARRY/tokenizer/" || exit 1
+    # gunicorn's C parser is published as source only: built on the device (its compiler)
+    mkdir -p "$CARRY/sdist"
+    .venv/bin/python -m pip download --quiet --no-deps --no-binary=:all: -d "$CARRY/sdist" \
+        gunicorn-h1c==0.6.9 || exit 1
     du -sh "$CARRY"
     exit 0
 fi
@@ -59,6 +66,10 @@ if ls "$CARRY"/wheels/*.whl > /dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/gpu-check-site "$CARRY"/wheels/*.whl || exit 1
     export PYTHONPATH=/tmp/gpu-check-site:$PWD
+    ls "$CARRY"/sdist/*.tar.gz > /dev/null 2>&1 && "$PY" -m pip install -q --no-index --no-deps \
+        --no-build-isolation --no-cache-dir --target /tmp/gpu-check-site "$CARRY"/sdist/*.tar.gz \
+        >> "$OUT/log.txt" 2>&1 || echo "gunicorn-h1c not built: gunicorn's Python parser" \
+        >> "$OUT/summary.txt"
 else
     export PYTHONPATH=$PWD
 fi
@@ -186,6 +197,53 @@ EOF
             grep -v "size mismatch" | head -8 | cut -c1-900 | \
             sed "s|^|$(basename "$(dirname "$log")")/$(basename "$log" .server.log): |"
     done >> "$OUT/summary.txt"
+fi
+ratio_served() {  # ratio_served NAME MODEL PROPERTIES SERVER_CPUS CLIENT_CPUS N: 3 rounds
+    local port=8110 pid server=() client=()
+    [ -n "$4" ] && server=(taskset -c "$4")
+    [ -n "$5" ] && client=(taskset -c "$5")
+    OMP_NUM_THREADS=1 "${server[@]}" "$PY" -m handler.cli serve --properties "$3" \
+        --model-dir "$2" --host 127.0.0.1 --port "$port" >> "$OUT/log.txt" 2>&1 &
+    pid=$!
+    step "ratio-$1-ping" 150 "$PY" -c "
+import time, urllib.request
+while True:
+    try:
+        urllib.request.urlopen('http://127.0.0.1:$port/ping', timeout=2)
+        break
+    except OSError:
+        time.sleep(1)"
+    for round in 1 2 3; do
+        MODEL=$2 step "ratio-$1-$round" 60 "${client[@]}" "$PY" "$R/measure.py" "$port" "$6"
+        grep "req/s | batch" "$OUT/log.txt" | tail -1 | sed "s/^/$1: /" >> "$OUT/summary.txt"
+    done
+    kill -TERM "$pid"
+    wait "$pid"
+}
+ratio_offline() {  # ratio_offline NAME MODEL PROPERTIES DTYPE CPUS N: 2 rounds
+    local cpus=()
+    [ -n "$5" ] && cpus=(taskset -c "$5")
+    for round in 1 2; do
+        OMP_NUM_THREADS=1 MODEL=$2 DTYPE=$4 step "ratio-$1-$round" 90 "${cpus[@]}" "$PY" \
+            "$R/offline.py" "$3" "$6"
+        grep "^offline .* req/s" "$OUT/log.txt" | tail -1 | sed "s/^/$1: /" >> "$OUT/summary.txt"
+    done
+}
+if want ratio; then  # #17's served/offline ratio (32 clients, 24 + 64 tokens) off a full host
+    R=docs/benchmark/cpu-2026-11-26-direct-streams
+    step tiny-model 60 "$PY" -c "from pathlib import Path; from tests.models_fixtures import \
+build_tiny_model; build_tiny_model(Path('/tmp/tiny320'))"
+    # The CPU target's run: the server on 2 cores, the load generator on those or on 2 others
+    ratio_offline cpu-offline /tmp/tiny320 "$R/paged.properties" float32 0,1 2560
+    ratio_served cpu-served-client-off-its-cores /tmp/tiny320 "$R/paged.properties" 0,1 2,3 2560
+    ratio_served cpu-served-client-on-its-cores /tmp/tiny320 "$R/paged.properties" 0,1 0,1 2560
+    if [ "$DEVICE" != cpu ]; then  # the first preset on the GPU, the host's cores unpinned
+        random_model "$first"
+        sed -e "s/float32/$dtype/" "$R/paged.properties" > /tmp/gpu-check-ratio.properties
+        echo "option.device=$DEVICE" >> /tmp/gpu-check-ratio.properties
+        ratio_offline gpu-offline "$model" /tmp/gpu-check-ratio.properties "$dtype" "" 1280
+        ratio_served gpu-served "$model" /tmp/gpu-check-ratio.properties "" "" 1280
+    fi
 fi
 rm -rf /tmp/gpu-check-model-*
 # The device returns at most 8 files: with several presets, the JSON profiles alone.
