@@ -251,6 +251,6 @@ rm -rf /tmp/gpu-check-model-*
 # What the start-up checks decided (graphs, async scheduling, attention): each says why it fell
 # back, if it did.
 grep -iE "fall(s|ing)? back|disagree|differ|graphs? (on|off|captured)|asynchronous scheduling|\
-attention backend|heap frozen|tokenizer view built" "$OUT/log.txt" | sed -E 's/^[0-9-]+ [0-9:,]+ //' | sort | uniq -c | head -40 \
+attention backend|heap frozen|tokenizer view built|HTTP parser" "$OUT/log.txt" | sed -E 's/^[0-9-]+ [0-9:,]+ //' | sort | uniq -c | head -40 \
     >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
