@@ -29,7 +29,8 @@
 # served-gap run's raw_client.py) and puts req/s and time to first byte in summary.txt.
 # CHECKS=ratio: #17's served/offline ratio where the host has cores to spare (~2 min on CPU,
 # ~3 more on the GPU): the tiny model on CPU, offline and served on cores 0-1 with the load
-# generator on cores 2-3 and then on 0-1 too; then the first preset on the GPU, offline and served.
+# generator on cores 2-3 and then on 0-1 too; then the first preset on the GPU, offline and
+# served at 32 and 40 clients.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
@@ -198,8 +199,8 @@ EOF
             sed "s|^|$(basename "$(dirname "$log")")/$(basename "$log" .server.log): |"
     done >> "$OUT/summary.txt"
 fi
-ratio_served() {  # ratio_served NAME MODEL PROPERTIES SERVER_CPUS CLIENT_CPUS N: 3 rounds
-    local port=8110 pid server=() client=()
+ratio_served() {  # ratio_served NAME MODEL PROPERTIES SERVER_CPUS CLIENT_CPUS N "CLIENTS...":
+    local port=8110 pid server=() client=() clients  # one round per entry of CLIENTS
     [ -n "$4" ] && server=(taskset -c "$4")
     [ -n "$5" ] && client=(taskset -c "$5")
     OMP_NUM_THREADS=1 "${server[@]}" "$PY" -m handler.cli serve --properties "$3" \
@@ -213,36 +214,43 @@ while True:
         break
     except OSError:
         time.sleep(1)"
-    for round in 1 2 3; do
-        MODEL=$2 step "ratio-$1-$round" 60 "${client[@]}" "$PY" "$R/measure.py" "$port" "$6"
-        grep "req/s | batch" "$OUT/log.txt" | tail -1 | sed "s/^/$1: /" >> "$OUT/summary.txt"
+    for clients in $7; do
+        MODEL=$2 step "ratio-$1-c$clients" 60 "${client[@]}" "$PY" "$R/measure.py" "$port" "$6" \
+            "$clients" && grep "req/s | batch" "$OUT/log.txt" | tail -1 | \
+            sed "s/^/$1, $clients clients: /" >> "$OUT/summary.txt"
     done
     kill -TERM "$pid"
     wait "$pid"
 }
-ratio_offline() {  # ratio_offline NAME MODEL PROPERTIES DTYPE CPUS N: 2 rounds
-    local cpus=()
+ratio_offline() {  # ratio_offline NAME MODEL PROPERTIES DTYPE CPUS N ROUNDS
+    local cpus=() round
     [ -n "$5" ] && cpus=(taskset -c "$5")
-    for round in 1 2; do
+    for round in $(seq "$7"); do
         OMP_NUM_THREADS=1 MODEL=$2 DTYPE=$4 step "ratio-$1-$round" 90 "${cpus[@]}" "$PY" \
-            "$R/offline.py" "$3" "$6"
-        grep "^offline .* req/s" "$OUT/log.txt" | tail -1 | sed "s/^/$1: /" >> "$OUT/summary.txt"
+            "$R/offline.py" "$3" "$6" && grep "^offline .* req/s" "$OUT/log.txt" | tail -1 | \
+            sed "s/^/$1: /" >> "$OUT/summary.txt"
     done
 }
-if want ratio; then  # #17's served/offline ratio (32 clients, 24 + 64 tokens) off a full host
+if want ratio; then  # #17's served/offline ratio (24 + 64 tokens, 32 clients) off a full host
     R=docs/benchmark/cpu-2026-11-26-direct-streams
     step tiny-model 60 "$PY" -c "from pathlib import Path; from tests.models_fixtures import \
 build_tiny_model; build_tiny_model(Path('/tmp/tiny320'))"
-    # The CPU target's run: the server on 2 cores, the load generator on those or on 2 others
-    ratio_offline cpu-offline /tmp/tiny320 "$R/paged.properties" float32 0,1 2560
-    ratio_served cpu-served-client-off-its-cores /tmp/tiny320 "$R/paged.properties" 0,1 2,3 2560
-    ratio_served cpu-served-client-on-its-cores /tmp/tiny320 "$R/paged.properties" 0,1 0,1 2560
+    # The CPU target's run (device=cpu: auto would take the GPU): the server on 2 cores, the
+    # load generator on 2 others and then on the server's
+    props=/tmp/gpu-check-ratio-cpu.properties
+    { cat "$R/paged.properties"; echo "option.device=cpu"; } > "$props"
+    ratio_offline cpu-offline /tmp/tiny320 "$props" float32 0,1 2560 2
+    ratio_served cpu-served-client-off-its-cores /tmp/tiny320 "$props" 0,1 2,3 2560 "32 32 32"
+    ratio_served cpu-served-client-on-its-cores /tmp/tiny320 "$props" 0,1 0,1 2560 "32 32"
     if [ "$DEVICE" != cpu ]; then  # the first preset on the GPU, the host's cores unpinned
         random_model "$first"
-        sed -e "s/float32/$dtype/" "$R/paged.properties" > /tmp/gpu-check-ratio.properties
-        echo "option.device=$DEVICE" >> /tmp/gpu-check-ratio.properties
-        ratio_offline gpu-offline "$model" /tmp/gpu-check-ratio.properties "$dtype" "" 1280
-        ratio_served gpu-served "$model" /tmp/gpu-check-ratio.properties "" "" 1280
+        props=/tmp/gpu-check-ratio-gpu.properties
+        { sed -e "s/float32/$dtype/" "$R/paged.properties"; echo "option.device=$DEVICE"; } \
+            > "$props"
+        ratio_offline gpu-offline "$model" "$props" "$dtype" "" 1280 "${OFFLINE_ROUNDS:-2}"
+        # 40 clients: a request waiting whenever a slot frees, so the HTTP round trip
+        # between one request's end and the next one's start leaves no slot empty
+        ratio_served gpu-served "$model" "$props" "" "" 1280 "${GPU_CLIENTS:-32 32 40 40}"
     fi
 fi
 rm -rf /tmp/gpu-check-model-*
