@@ -12,7 +12,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams, model_runner
-from engine.decode_graphs import PaddedDecode, batch_buckets, graph_rows, width_buckets
+from engine.decode_graphs import (
+    MIN_PROMPT_ROWS,
+    PaddedDecode,
+    batch_buckets,
+    graph_rows,
+    width_buckets,
+)
 from engine.decode_graphs_setup import check_padded_decode, prepare_decode_graphs
 from engine.kv.layout import shared_layout
 from engine.step_plan import token_rows
@@ -48,11 +54,11 @@ def layer_types_of(path) -> list[str]:
     return config.get("layer_types") or config.get("text_config", {}).get("layer_types") or []
 
 
-def padded_engine(path, batching: str, **overrides):
+def padded_engine(path, batching: str, rows: int | None = None, **overrides):
     engine = make_engine(path, batching, **overrides)
     config = engine.config
-    rows = graph_rows(config.max_num_seqs,  # as the engine sizes it on CUDA
-                      config.max_num_batched_tokens or config.max_num_seqs * MAX_MODEL_LEN)
+    rows = rows or graph_rows(config.max_num_seqs,  # as the engine sizes it on CUDA
+                              config.max_num_batched_tokens or config.max_num_seqs * MAX_MODEL_LEN)
     padded = engine.runner.enable_padded_decode(rows, MAX_MODEL_LEN,
                                                 max_seqs=config.max_num_seqs)
     return engine, recorded(padded)
@@ -105,7 +111,9 @@ def test_prompt_chunks_run_as_padded_rows_and_equal_transformers(tiny, batching)
     (paged, 8-token steps) as a chunk that samples nothing yet; past the largest bucket,
     eagerly. (A one-token prompt packs as a decode row: the first step is already mixed.)"""
     path, prompts, new_tokens, refs = tiny
-    chunked = {"max_num_batched_tokens": 8} if batching == "paged" else {}  # 8 rows at most
+    # 8 rows at most: paged by its 8-token steps, continuous (whole prompts) by a smaller
+    # largest bucket than graph_rows would give it
+    chunked = {"max_num_batched_tokens": 8} if batching == "paged" else {"rows": 8}
     engine, calls = padded_engine(path, batching, **chunked)
     runner, kinds = engine.runner, set()
     choose = runner._padded
@@ -152,12 +160,13 @@ def test_prefix_cache_hits_and_preemption_recomputes_run_padded_as_plain(tiny) -
 
 
 def test_a_padded_step_computes_logits_of_its_sampled_rows_only(tiny) -> None:
-    """Up to 2 x max_num_seqs token rows, but at most max_num_seqs rows of logits (one per
-    sequence): prompt rows cost no lm_head, and the graphs' logits buffer stays that size."""
+    """Up to max_num_seqs + MIN_PROMPT_ROWS token rows, but at most max_num_seqs rows of
+    logits (one per sequence): prompt rows cost no lm_head, and the graphs' logits buffer stays
+    that size."""
     path, prompts, new_tokens, refs = tiny
     engine, calls = padded_engine(path, "paged", max_num_seqs=2)
     padded = engine.runner.padded_decode
-    assert padded.batch_buckets[-1] == 4 and padded.max_sampled == 2
+    assert padded.batch_buckets[-1] == 2 + MIN_PROMPT_ROWS and padded.max_sampled == 2
     with torch.no_grad():
         assert padded.forward(4, 1).shape[0] == 2
     reqs = [Req("r0", prompts[0], greedy(new_tokens[0]), 0),  # 1 token
@@ -228,6 +237,15 @@ def test_buckets_cover_every_batch_and_width() -> None:
     assert batch_buckets(1) == [1] and batch_buckets(32) == [1, 2, 4, 8, 16, 32]
     assert batch_buckets(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
     assert width_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128] and width_buckets(6)[-1] == 6
+
+
+def test_graphs_leave_room_for_a_burst_of_short_prompts_beside_a_full_batch() -> None:
+    """32 sequences: 96 rows (a 64-row cap ran 5 % of served steps eagerly); more sequences
+    keep as many prompt rows as sequences; the token budget and 512 bound it; never below
+    one decode row per sequence."""
+    assert graph_rows(32, 512) == 96 and graph_rows(2, 512) == 66
+    assert graph_rows(128, 8192) == 256 and graph_rows(300, 8192) == 512
+    assert graph_rows(32, 40) == 40 and graph_rows(32, 16) == 32
 
 
 def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty(tiny) -> None:
