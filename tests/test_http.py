@@ -347,4 +347,5 @@ def test_paged_metrics_show_blocks_preemptions_prefix_hits_and_token_split(model
         assert srv.metric("batchyard_prefix_cache_hit_rate") > 0
         text = requests.get(f"{srv.url}/metrics", timeout=5).text
         assert 'batchyard_step_tokens_total{kind="prefill"}' in text
+        assert 'batchyard_iteration_tokens_bucket{le="64.0"}' in text
         assert srv.metric("batchyard_step_tokens_total") >= 12 * 60

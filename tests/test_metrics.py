@@ -1,10 +1,12 @@
-"""handler/http/metrics.py's bulk histogram update against prometheus_client's own observe()."""
+"""handler/http/metrics.py: its bulk histogram update against prometheus_client's own observe(),
+and what a request and a step record."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from engine.outputs import StepStats
 from handler.http.metrics import _LATENCY_BUCKETS, Metrics, observe_all
 
 # On, below and between the bounds, zero, and past the last finite bound (+Inf's bucket)
@@ -65,3 +67,16 @@ def test_a_request_observes_each_gap_between_its_tokens() -> None:
     assert f'{itl}_bucket{{le="2.5"}} 4.0' in text
     assert f"{itl}_count 4.0" in text
     assert "batchyard_generation_tokens_total 5.0" in text
+
+
+def test_a_step_observes_its_tokens_prefill_and_decode_together() -> None:
+    metrics = Metrics()
+    for prefill, decode in ((0, 32), (24, 32), (48, 31), (512, 0)):
+        metrics.on_step(StepStats(32, prefill, decode, 0, 32, 64, 512, 0, 0.003))
+    text = generate_latest(metrics.registry).decode()
+    steps = "batchyard_iteration_tokens"
+    assert f'{steps}_bucket{{le="32.0"}} 1.0' in text
+    assert f'{steps}_bucket{{le="64.0"}} 2.0' in text  # 56 tokens
+    assert f'{steps}_bucket{{le="96.0"}} 3.0' in text  # 79: past a 64-row graph
+    assert f'{steps}_bucket{{le="512.0"}} 4.0' in text
+    assert f"{steps}_sum 679.0" in text

@@ -18,6 +18,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 128, 256)
+# vLLM's iteration_tokens buckets, with 48 and 96: a CUDA graph's row cap at 32 sequences is 96
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -84,6 +86,10 @@ class Metrics:
                                   buckets=_RATIO_BUCKETS, registry=r)
         self.step_tokens = Counter("batchyard_step_tokens", "Tokens computed by engine steps",
                                    ["kind"], registry=r)
+        self.iteration_tokens = Histogram(
+            "batchyard_iteration_tokens", "Tokens per engine step (prefill and decode; as "
+            "vLLM's iteration_tokens_total): steps past the CUDA graphs' row cap run eagerly",
+            buckets=_STEP_TOKEN_BUCKETS, registry=r)
         self.step_seconds = Histogram("batchyard_step_seconds", "Engine step duration",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.preemptions = Counter("batchyard_preemptions", "Sequences preempted (recompute)",
@@ -114,6 +120,7 @@ class Metrics:
         self.kv_usage.observe(stats.kv_blocks_used / max(1, stats.kv_blocks_total))
         self.step_tokens.labels("prefill").inc(stats.num_prefill_tokens)
         self.step_tokens.labels("decode").inc(stats.num_decode_tokens)
+        self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
         self.step_seconds.observe(stats.step_seconds)
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
