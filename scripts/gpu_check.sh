@@ -27,10 +27,10 @@
 # sweep-kv-*.json, the logs into sweep-logs.tar.gz. CHECKS=served, in a second call, serves the
 # first preset over HTTP with option.api_server_count 1 and then 2 (128 streaming clients, the
 # served-gap run's raw_client.py) and puts req/s and time to first byte in summary.txt.
-# CHECKS=ratio: #17's served/offline ratio where the host has cores to spare (~2 min on CPU,
-# ~3 more on the GPU): the tiny model on CPU, offline and served on cores 0-1 with the load
-# generator on cores 2-3 and then on 0-1 too; then the first preset on the GPU, offline and
-# served at 32 and 40 clients.
+# CHECKS=ratio: #17's served/offline ratio where the host has cores to spare: the tiny model on
+# CPU, offline and served on cores 0-1 with the load generator on cores 2-3 and then on 0-1 too
+# (~4.5 min on the H200 machine of 11-26); then the first preset on the GPU, offline and served
+# at 32 and 40 clients (~4 min). Alone in a call with timeout_s 600 (OFFLINE_ROUNDS=1 saves 50 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
