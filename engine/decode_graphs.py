@@ -110,6 +110,7 @@ class PaddedDecode:
         self.in_page = torch.arange(page_size, device=device)  # [page_size]
         self.attention = ReferenceAttention()
         self.steps = 0  # steps run padded (tests check the path was taken)
+        self.replayed = False  # whether the latest step replayed a captured graph
         self.graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
 
     def bucket(self, batch_size: int, width: int) -> tuple[int, int] | None:
@@ -137,6 +138,7 @@ class PaddedDecode:
         self.sample_index[num_sampled:].zero_()
         self.steps += 1
         forward = self.graphs.get(bucket)
+        self.replayed = forward is not None
         logits = forward() if forward is not None else self.forward(*bucket)
         return logits[:num_sampled]
 

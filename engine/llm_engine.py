@@ -315,7 +315,8 @@ class LLMEngine:
             num_decode_tokens=batch.num_decode_tokens if batch else 0,
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             kv_blocks_used=allocator.num_used_blocks, kv_blocks_total=allocator.num_blocks,
-            num_preemptions=preempted, step_seconds=seconds)
+            num_preemptions=preempted, step_seconds=seconds,
+            graph=batch is not None and self.runner.last_step_graph)
 
     def gauges(self) -> Gauges:
         """The scheduler's and the pool's state now (call on the thread that steps)."""

@@ -80,6 +80,7 @@ class ModelRunner:
         self.layer_caches = tuple(self.kv_cache[t] for t in self.layout.layer_tensors)
         self.scratch_slot = num_blocks * block_size
         self.padded_decode: PaddedDecode | None = None  # enable_padded_decode() sets it
+        self.last_step_graph = False  # whether the latest step replayed a CUDA graph
         self.peers: PlanSender | None = None  # the worker ranks, when tensor parallel
         # The latest step's samples and whose they are (seq id -> row): a later step whose
         # input is still pending reads it from there, on the device.
@@ -133,6 +134,7 @@ class ModelRunner:
         self.phases.mark("prepare")
         logits = self.padded_logits(views) if padded else self.eager_logits(views, meta,
                                                                             plan.sampled)
+        self.last_step_graph = padded and self.padded_decode.replayed
         self.phases.mark("forward")  # [S, vocab] float32, or None: the step only wrote KV
         if logits is None or sampling is None:
             return None

@@ -52,6 +52,7 @@ class StepStats:
     kv_blocks_total: int
     num_preemptions: int  # since the previous StepStats (each counted once)
     step_seconds: float
+    graph: bool = False  # the step replayed a CUDA graph (else it ran eagerly)
 
 
 @dataclass(frozen=True)

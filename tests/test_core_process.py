@@ -161,7 +161,7 @@ def test_a_core_that_cannot_load_fails_start_up_with_its_reason(model_dir, tmp_p
 @pytest.mark.parametrize("outputs, stats", [
     ([StepOutput("a", 7, -0.5, 4, 1), StepOutput("b", None, None, 3, 0, "abort", "gone"),
       StepOutput("c", 9, -1.25, 20, 5, "length", None, ((9, -1.25), (4, -2.0)))],
-     StepStats(3, 20, 1, 0, 3, 5, 64, 0, 0.002)),
+     StepStats(3, 20, 1, 0, 3, 5, 64, 0, 0.002, graph=True)),
     ([], None),
 ])
 def test_a_core_update_crosses_the_pipe_as_it_was_sent(outputs, stats) -> None:

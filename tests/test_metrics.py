@@ -80,3 +80,12 @@ def test_a_step_observes_its_tokens_prefill_and_decode_together() -> None:
     assert f'{steps}_bucket{{le="96.0"}} 3.0' in text  # 79: past a 64-row graph
     assert f'{steps}_bucket{{le="512.0"}} 4.0' in text
     assert f"{steps}_sum 679.0" in text
+
+
+def test_steps_that_replayed_a_graph_are_counted() -> None:
+    metrics = Metrics()
+    for graph in (True, False, True):
+        metrics.on_step(StepStats(4, 0, 4, 0, 4, 8, 64, 0, 0.002, graph=graph))
+    text = generate_latest(metrics.registry).decode()
+    assert "batchyard_graph_steps_total 2.0" in text
+    assert "batchyard_step_seconds_count 3.0" in text

@@ -239,6 +239,27 @@ def test_buckets_cover_every_batch_and_width() -> None:
     assert width_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128] and width_buckets(6)[-1] == 6
 
 
+def test_step_stats_say_which_steps_replayed_a_graph(tiny) -> None:
+    """A step whose bucket has a graph reports graph=True (batchyard_graph_steps); a padded
+    bucket without one, or a step past every bucket, ran eagerly. (CPU captures nothing: a
+    stand-in graph replays the bucket's padded forward, as a captured one would.)"""
+    path, prompts, _, _ = tiny
+    engine, calls = padded_engine(path, "paged", max_num_batched_tokens=8)
+    padded = engine.runner.padded_decode
+    padded.graphs[(8, 1)] = lambda: padded.forward(8, 1)
+    graphs = []
+    engine.add_request("r", prompts[3][:12], greedy(3))  # 12 tokens: chunks of 8 and 4
+    while engine.has_unfinished():
+        engine.step()
+        graphs.append(engine.last_step_stats(0.001).graph)
+    assert calls[:2] == [(8, 1), (4, 1)] and graphs[:2] == [True, False]
+    assert not any(graphs[2:])  # decodes of one row: bucket (1, 1), no graph
+    engine.runner.padded_decode = None  # eager from now on
+    engine.add_request("s", prompts[1], greedy(2))
+    engine.step()
+    assert not engine.last_step_stats(0.001).graph
+
+
 def test_graphs_leave_room_for_a_burst_of_short_prompts_beside_a_full_batch() -> None:
     """32 sequences: 96 rows (a 64-row cap ran 5 % of served steps eagerly); more sequences
     keep as many prompt rows as sequences; the token budget and 512 bound it; never below

@@ -90,6 +90,9 @@ class Metrics:
             "batchyard_iteration_tokens", "Tokens per engine step (prefill and decode; as "
             "vLLM's iteration_tokens_total): steps past the CUDA graphs' row cap run eagerly",
             buckets=_STEP_TOKEN_BUCKETS, registry=r)
+        self.graph_steps = Counter(
+            "batchyard_graph_steps", "Engine steps replayed as a CUDA graph (the rest of "
+            "batchyard_step_seconds_count ran eagerly)", registry=r)
         self.step_seconds = Histogram("batchyard_step_seconds", "Engine step duration",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.preemptions = Counter("batchyard_preemptions", "Sequences preempted (recompute)",
@@ -122,6 +125,8 @@ class Metrics:
         self.step_tokens.labels("decode").inc(stats.num_decode_tokens)
         self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
         self.step_seconds.observe(stats.step_seconds)
+        if stats.graph:
+            self.graph_steps.inc()
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
 

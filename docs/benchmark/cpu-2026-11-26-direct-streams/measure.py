@@ -20,7 +20,8 @@ MODEL = os.environ.get("MODEL", "/tmp/tiny320")
 CLIENT = "docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py"
 TICK = os.sysconf("SC_CLK_TCK")
 STEP_FACTS = ("batchyard_step_seconds_sum", "batchyard_step_seconds_count",
-              "batchyard_batch_size_sum", "batchyard_generation_tokens_total")
+              "batchyard_batch_size_sum", "batchyard_generation_tokens_total",
+              "batchyard_graph_steps_total")
 
 
 def cpu_seconds(port: int) -> tuple[float, float]:
@@ -58,7 +59,8 @@ def main() -> None:
     tokens, steps = d["batchyard_generation_tokens_total"], d["batchyard_step_seconds_count"]
     print(f"{float(run.stdout.split()[0]):6.1f} req/s | batch "
           f"{d['batchyard_batch_size_sum'] / steps:4.1f} step "
-          f"{d['batchyard_step_seconds_sum'] / steps * 1e3:4.2f} ms | http "
+          f"{d['batchyard_step_seconds_sum'] / steps * 1e3:4.2f} ms graphs "
+          f"{d['batchyard_graph_steps_total'] / steps:4.0%} | http "
           f"{(http1 - http0) / tokens * 1e6:5.1f} us/tok core {(core1 - core0) / tokens * 1e6:5.1f}"
           f" us/tok ratio {(http1 - http0) / (core1 - core0):.2f}")
 
