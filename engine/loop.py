@@ -99,6 +99,15 @@ class RequestHandle:
             ready.append(event)
         return ready
 
+    def next_ready(self) -> TokenEvent | None:
+        """The next queued event without waiting; None when none is queued or the final one
+        was taken (a reader merging several handles takes each event only as it hands it on)."""
+        if self.finished or self._events.empty():
+            return None
+        event = self._events.get_nowait()
+        self.finished = event.finished
+        return event
+
     def has_queued_events(self) -> bool:
         """Whether events() would yield its next event without waiting."""
         return not self._events.empty()

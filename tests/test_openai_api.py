@@ -61,7 +61,7 @@ def test_a_list_of_prompts_answers_one_choice_each_in_order(server) -> None:
 
 
 def test_chat_streams_sse_chunks_with_the_same_text_and_usage(server) -> None:
-    """Written by the engine's output thread (one choice), as every one-choice stream is."""
+    """Written by the engine's output thread, as every stream of these routes is."""
     api = client(server)
     by_output_thread = 'batchyard_streamed_requests_total{writer="output_thread"}'
     before = server[0].metric(by_output_thread)
@@ -117,8 +117,11 @@ def test_n_choices_seeded_apart_and_counted_once_per_prompt(server) -> None:
     assert batch.usage.completion_tokens == 6 * 8
     top_seed = api.chat.completions.create(messages=CHAT, **{**asked, "seed": 2**63 - 1})
     assert len(top_seed.choices) == 3  # seed + i wraps around within the seeds' range
+    by_output_thread = 'batchyard_streamed_requests_total{writer="output_thread"}'
+    before = server[0].metric(by_output_thread)
     streamed = list(api.chat.completions.create(messages=CHAT, stream=True,
                                                 stream_options={"include_usage": True}, **asked))
+    server[0].wait_metric(by_output_thread, before + 1)  # n choices, one stream, no thread each
     pieces: dict[int, str] = {}
     for chunk in streamed[:-1]:
         [choice] = chunk.choices

@@ -65,9 +65,8 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
                                          chat.created, state.model_name,
                                          [s.last for s in streams])
                    ) if chat.include_usage else None
-        one = chat.n == 1  # n choices merge their events on threads: no queue to look into
         return stream_response(line_of, handle, state, sse=sse, done_line=sse, start=start,
-                               trailer=trailer, coalesce=one, direct=one)
+                               trailer=trailer, coalesce=True, direct=True)
     answers = collect_all(state, handles, start)
     return Response(json.dumps(chat_completion(chat, state.model_name, answers,
                                                decode=engine.decode)),

@@ -1,12 +1,13 @@
-"""n choices streamed as one response: their requests' events merged in arrival order."""
+"""n choices streamed as one response: their requests' events merged as they are delivered."""
 
 from __future__ import annotations
 
-import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from engine import RequestHandle, TokenEvent
+from engine.loop import CANCEL_CHECK_SECONDS
 
 
 def one_stream(handles: list[RequestHandle]
@@ -18,13 +19,19 @@ def one_stream(handles: list[RequestHandle]
 
 
 class HandleGroup:
-    """The requests of one body's n choices, seen as one handle by stream_response: events()
-    merges theirs as they come (one forwarding thread each), abort() ends them all."""
+    """The requests of one body's n choices, read as one RequestHandle: by events() on the
+    request thread, or by take_ready() from the output thread's on_delivery() call (a stream
+    written without its request thread, handler/http/direct_stream.py). Each choice's events
+    keep their order; it ends once every choice has its final event."""
 
     def __init__(self, handles: list[RequestHandle]) -> None:
         self.handles = handles
         self.request_id = handles[0].request_id
         self.num_prompt_tokens = handles[0].num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return all(h.finished for h in self.handles)
 
     @property
     def cancelled(self) -> bool:
@@ -34,19 +41,46 @@ class HandleGroup:
         for handle in self.handles:
             handle.abort()
 
-    def events(self) -> Iterator[TokenEvent]:
-        """Every choice's events, until each has its final one."""
-        merged: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+    def take_ready(self) -> list[TokenEvent]:
+        return [event for handle in self.handles for event in handle.take_ready()]
 
-        def forward(handle: RequestHandle) -> None:
-            for event in handle.events():
-                merged.put(event)
+    def has_queued_events(self) -> bool:
+        return any(h.has_queued_events() for h in self.handles)
 
+    def on_delivery(self, listener: Callable[[], None] | None) -> None:
         for handle in self.handles:
-            threading.Thread(target=forward, args=(handle,), name="choice-events",
-                             daemon=True).start()
-        live = len(self.handles)
-        while live:
-            event = merged.get()
-            live -= event.finished
-            yield event
+            handle.on_delivery(listener)
+
+    def events_may_come(self) -> bool:
+        return self.handles[0].events_may_come()  # one loop delivers them all
+
+    def check_cancel(self) -> None:
+        for handle in self.handles:
+            handle.check_cancel()
+
+    def events(self) -> Iterator[TokenEvent]:
+        """Every choice's events, until each has its final one, each taken from its queue only
+        as it is yielded (a stream handed to the output thread between two finds none held
+        here). Woken by the output thread's delivery (listening again at each wait: a direct
+        writer may have listened meanwhile), not by a thread per choice."""
+        delivered = threading.Event()
+        next_check = time.monotonic()  # at once: a client may leave before it is scheduled
+        while not self.finished:
+            delivered.clear()
+            self.on_delivery(delivered.set)
+            taken = False
+            for handle in self.handles:  # one at a time: none held while this one is written
+                event = handle.next_ready()
+                if event is not None:
+                    taken = True
+                    yield event
+            if taken:
+                continue
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + CANCEL_CHECK_SECONDS
+                self.check_cancel()
+            if not self.events_may_come():  # each ends as a lone handle does
+                for handle in self.handles:
+                    yield from handle.events()
+                return
+            delivered.wait(CANCEL_CHECK_SECONDS)

@@ -13,6 +13,8 @@ Only where the bytes would be the same: gunicorn's own client socket, plain TCP,
 body in chunks, framed here as gunicorn frames them), no wrapper re-framing the body, and
 routes whose line maker turns each event into exactly one line without user code (a custom
 output formatter runs on the request thread, where a slow one delays only its own stream).
+A stream of n choices (a HandleGroup) is written the same way, each delivery's lines of every
+choice in one chunk, until each choice has its final line.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine import RequestHandle, TokenEvent
+
+if TYPE_CHECKING:
+    from handler.http.choices import HandleGroup
 
 # How often a waiting request thread checks its client and that the output thread still runs
 # (the same cadence as a request thread reading its events with a cancel check).
@@ -61,8 +67,8 @@ class DirectWriter:
     """Writes one stream's lines from the output thread until the stream ends, the client's
     socket is full or fails, or the output thread stops; the request thread waits in write()."""
 
-    def __init__(self, handle: RequestHandle, sock: socket.socket, line_of: LineOf,
-                 text_of: TextOf) -> None:
+    def __init__(self, handle: RequestHandle | HandleGroup, sock: socket.socket,
+                 line_of: LineOf, text_of: TextOf) -> None:
         self._handle = handle
         self._sock = sock
         self._line_of = line_of
@@ -100,11 +106,13 @@ class DirectWriter:
                 return
             parts: list[bytes] = []
             line_of, text_of = self._line_of, self._text_of
+            ready = self._handle.take_ready()
             try:
-                for event in self._handle.take_ready():
+                for event in ready:
                     text = text_of(line_of(event), event)
                     parts.append(text.encode() if isinstance(text, str) else text)
-                    self.ended = event.finished
+                # every choice's final event taken (one, for a lone request), and its line made
+                self.ended = self._handle.finished
             except Exception as err:  # a line maker's failure: the request thread raises it
                 self._error = err
             data = b"".join(parts)

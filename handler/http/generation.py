@@ -182,11 +182,11 @@ def stream_response(line_of: LineOf, handle: RequestHandle | HandleGroup, state:
     """Write each event's line (`line_of`) as it comes; a client that goes away aborts its
     request (frees its KV). `trailer` makes one more line from the last event of a request
     that ended well (OpenAI's usage chunk). `coalesce`: the lines of events already queued go
-    out in one write. `direct` (lines made without user code, from one RequestHandle): where
+    out in one write. `direct` (lines made without user code): where
     the response allows it, the engine's output thread writes them
     (handler/http/direct_stream.py)."""
     sock = (direct_socket(request.environ) if coalesce and direct and has_request_context()
-            and isinstance(handle, RequestHandle) else None)
+            else None)
     written = _Written(sse)
 
     def generate() -> Iterator[str | bytes]:
@@ -195,7 +195,7 @@ def stream_response(line_of: LineOf, handle: RequestHandle | HandleGroup, state:
             # the first line goes through gunicorn, which sends the response's headers with it
             yield from _by_request_thread(lines_left, handle, written, coalesce,
                                           until_first_write=sock is not None)
-            if sock is not None and written.last is not None and not written.last.finished:
+            if sock is not None and written.last is not None and not handle.finished:
                 writer = DirectWriter(handle, sock, line_of, written.text)
                 written.writer = "output_thread"
                 writer.write()
@@ -234,8 +234,8 @@ class _Written:
         return line if isinstance(line, str | bytes) else line_text(line, self.sse)
 
 
-def _by_request_thread(lines: Lines, handle: RequestHandle, written: _Written, coalesce: bool,
-                       until_first_write: bool = False) -> Iterator[str | bytes]:
+def _by_request_thread(lines: Lines, handle: RequestHandle | HandleGroup, written: _Written,
+                       coalesce: bool, until_first_write: bool = False) -> Iterator[str | bytes]:
     unsent: list[str] = []  # lines held while the events behind them are already here
     try:
         for line, event in lines:

@@ -50,9 +50,8 @@ def serve_completions(state: ServerState, body: dict, start: float) -> Response:
         trailer = (lambda _: usage_chunk(req.completion_id, "text_completion", req.created,
                                          model, [lasts[i] for i in sorted(lasts)])
                    ) if req.include_usage else None
-        one = req.n == 1  # n choices merge their events on threads: no queue to look into
         return stream_response(line_of, handle, state, sse=True, done_line=True, start=start,
-                               trailer=trailer, coalesce=one, direct=one)
+                               trailer=trailer, coalesce=True, direct=True)
     answers = collect_all(state, handles, start)
     return Response(json.dumps(completion(req, model, answers, decode=decode)), status=200,
                     mimetype="application/json")

@@ -1,0 +1,136 @@
+"""A stream of n choices (handler/http/choices.py's HandleGroup): its events merged as the
+output thread delivers them, without a thread per choice, each taken only as it is handed on,
+and written by the output thread like a lone request's (handler/http/direct_stream.py) until
+every choice has its final line."""
+
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+
+from flask import Flask
+
+from engine.loop import EngineLoop, RequestHandle
+from engine.outputs import TokenEvent
+from handler.http.choices import HandleGroup
+from handler.http.direct_stream import chunk
+from handler.http.generation import stream_response
+from tests.test_direct_stream import WAIT, _read_exactly, _tcp_pair
+
+
+def _event(rid: str, i: int, last: bool = False) -> TokenEvent:
+    return TokenEvent(rid, 10 + i, f"{rid}{i}", -0.5, 3, i + 1, "length" if last else None)
+
+
+class _Choices:
+    """Two choices' handles on the real EngineLoop's delivery, with no core."""
+
+    def __init__(self) -> None:
+        core = SimpleNamespace(initial_gauges=None, send=lambda message: None)
+        self.loop = EngineLoop(core, SimpleNamespace(backend_tokenizer=None), 4, 4)
+        self.delivering = True
+        self.loop.is_delivering = lambda: self.delivering
+        self.handles = [RequestHandle(self.loop, rid, 3) for rid in ("a", "b")]
+        for handle in self.handles:
+            self.loop._handles[handle.request_id] = handle
+        self.group = HandleGroup(self.handles)
+
+    def deliver(self, *events: TokenEvent) -> None:
+        worker = threading.Thread(target=self.loop._dispatch, args=(list(events),), daemon=True)
+        worker.start()
+        worker.join(WAIT)
+        assert not worker.is_alive(), "delivering the events blocked"
+
+    def listening(self) -> bool:
+        return all(h._listener is not None for h in self.handles)
+
+
+def _ids(events: list[TokenEvent]) -> list[str]:
+    return [e.text for e in events]
+
+
+def test_choices_merge_as_delivered_without_a_thread_each() -> None:
+    choices = _Choices()
+    got: list[TokenEvent] = []
+    reader = threading.Thread(target=lambda: got.extend(choices.group.events()), daemon=True)
+    threads_before = threading.active_count()
+    reader.start()
+    choices.deliver(_event("a", 0), _event("b", 0))
+    choices.deliver(_event("b", 1, last=True))
+    assert threading.active_count() == threads_before + 1  # the reader alone
+    choices.deliver(_event("a", 1, last=True))
+    reader.join(WAIT)
+    assert not reader.is_alive() and choices.group.finished
+    assert _ids(got) == ["a0", "b0", "b1", "a1"]  # each choice in its order, ends last
+
+
+def test_a_suspended_reader_holds_no_event_for_the_output_thread() -> None:
+    """A stream handed to the output thread after its first line: what came after that line
+    is all still queued for take_ready(), none kept by the paused events() generator."""
+    choices = _Choices()
+    choices.deliver(_event("a", 0), _event("b", 0), _event("a", 1))
+    lines = choices.group.events()
+    assert next(lines).text == "a0"
+    assert _ids(choices.group.take_ready()) == ["a1", "b0"]
+    choices.deliver(_event("a", 2, last=True), _event("b", 1, last=True))
+    assert _ids(choices.group.take_ready()) == ["a2", "b1"] and choices.group.finished
+    assert list(lines) == []
+
+
+def test_when_the_loop_stops_each_unfinished_choice_ends_with_its_error() -> None:
+    choices = _Choices()
+    choices.deliver(_event("a", 0, last=True))
+    choices.delivering = False
+    ends = list(choices.group.events())
+    assert [(e.request_id, e.finish_reason) for e in ends] == [("a", "length"), ("b", "error")]
+
+
+def test_n_choices_are_written_by_the_output_thread_until_each_has_ended() -> None:
+    """Through stream_response as the chat and completions routes run it: the first line goes
+    through the WSGI body, then each delivery's lines of both choices in one chunk from the
+    delivering thread; one choice's end does not end the stream."""
+    server, client = _tcp_pair()
+    choices = _Choices()
+    writers: list[str] = []
+    made_on: list[str] = []
+    metrics = SimpleNamespace(on_abort=lambda *a: None, on_request=lambda *a: None,
+                              on_stream=writers.append)
+
+    def line_of(event: TokenEvent) -> dict:
+        made_on.append(threading.current_thread().name)
+        return {"id": event.request_id, "text": event.text}
+
+    environ = {"gunicorn.socket": server, "SERVER_PROTOCOL": "HTTP/1.1"}
+    try:
+        with Flask(__name__).test_request_context("/", method="POST",
+                                                  environ_overrides=environ):
+            response = stream_response(line_of, choices.group, SimpleNamespace(metrics=metrics),
+                                       sse=False, done_line=False, start=0.0, coalesce=True,
+                                       direct=True)
+        choices.handles[0]._events.put(_event("a", 0))
+        body: list[str] = []
+        request = threading.Thread(target=lambda: body.extend(response.response),
+                                   name="request", daemon=True)
+        request.start()
+        for _ in range(WAIT * 100):
+            if choices.listening():
+                break
+            threading.Event().wait(0.01)
+        assert choices.listening(), "the writer never listened"
+
+        def line(rid: str, i: int) -> bytes:
+            return json.dumps({"id": rid, "text": f"{rid}{i}"}).encode() + b"\n"
+        for events, lines in (((_event("a", 1), _event("b", 0)), line("a", 1) + line("b", 0)),
+                              ((_event("a", 2, last=True),), line("a", 2)),
+                              ((_event("b", 1, last=True),), line("b", 1))):
+            choices.deliver(*events)
+            assert _read_exactly(client, len(chunk(lines))) == chunk(lines)
+        request.join(WAIT)
+        assert not request.is_alive()
+        assert [json.loads(text)["text"] for text in "".join(body).splitlines()] == ["a0"]
+        assert writers == ["output_thread"] and made_on.count("request") == 1
+        assert all(h._listener is None for h in choices.handles)
+    finally:
+        server.close()
+        client.close()
