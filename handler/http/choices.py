@@ -7,7 +7,10 @@ import time
 from collections.abc import Callable, Iterator
 
 from engine import RequestHandle, TokenEvent
-from engine.loop import CANCEL_CHECK_SECONDS
+
+# How often a waiting reader checks its client and that events can still come (a lone
+# handle's cadence with a cancel check)
+CHECK_SECONDS = 0.1
 
 
 def one_stream(handles: list[RequestHandle]
@@ -77,10 +80,10 @@ class HandleGroup:
             if taken:
                 continue
             if time.monotonic() >= next_check:
-                next_check = time.monotonic() + CANCEL_CHECK_SECONDS
+                next_check = time.monotonic() + CHECK_SECONDS
                 self.check_cancel()
             if not self.events_may_come():  # each ends as a lone handle does
                 for handle in self.handles:
                     yield from handle.events()
                 return
-            delivered.wait(CANCEL_CHECK_SECONDS)
+            delivered.wait(CHECK_SECONDS)

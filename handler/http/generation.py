@@ -182,9 +182,8 @@ def stream_response(line_of: LineOf, handle: RequestHandle | HandleGroup, state:
     """Write each event's line (`line_of`) as it comes; a client that goes away aborts its
     request (frees its KV). `trailer` makes one more line from the last event of a request
     that ended well (OpenAI's usage chunk). `coalesce`: the lines of events already queued go
-    out in one write. `direct` (lines made without user code): where
-    the response allows it, the engine's output thread writes them
-    (handler/http/direct_stream.py)."""
+    out in one write. `direct` (lines made without user code): where the response allows it,
+    the engine's output thread writes them (handler/http/direct_stream.py)."""
     sock = (direct_socket(request.environ) if coalesce and direct and has_request_context()
             else None)
     written = _Written(sse)
