@@ -108,6 +108,12 @@ class RequestHandle:
         self.finished = event.finished
         return event
 
+    def end_unserved(self) -> TokenEvent:
+        """Once the output thread has stopped (events_may_come() is false) and nothing is
+        queued: the request's final event, an error (what events() yields then)."""
+        self.finished = True
+        return self._dead_event()
+
     def has_queued_events(self) -> bool:
         """Whether events() would yield its next event without waiting."""
         return not self._events.empty()
@@ -316,7 +322,8 @@ class EngineLoop:
                            "output processing failed") for rid in request_ids]
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
-        listeners: dict[str, Callable[[], None]] = {}  # one call per request per delivery
+        # one call per listener per delivery (the choices of one stream share one)
+        listeners: dict[Callable[[], None], None] = {}
         with self._lock:
             for event in events:
                 handle = self._handles.get(event.request_id)
@@ -324,10 +331,10 @@ class EngineLoop:
                     continue
                 handle._events.put(event)
                 if handle._listener is not None:
-                    listeners[event.request_id] = handle._listener
+                    listeners[handle._listener] = None
                 if event.finished:
                     del self._handles[event.request_id]
-        for listener in listeners.values():
+        for listener in listeners:
             try:
                 listener()
             except Exception:  # a listener's failure is its request's, never the others'

@@ -138,3 +138,29 @@ def test_n_choices_are_written_by_the_output_thread_until_each_has_ended() -> No
     finally:
         server.close()
         client.close()
+
+
+def test_choices_sharing_a_listener_wake_it_once_per_delivery() -> None:
+    choices = _Choices()
+    calls: list[int] = []
+    choices.group.on_delivery(lambda: calls.append(1))
+    choices.deliver(_event("a", 0), _event("b", 0))
+    assert len(calls) == 1 and choices.group.has_queued_events()
+
+
+def test_one_choice_that_fails_makes_the_stream_an_error_without_usage() -> None:
+    """Judged by every choice's end, not by the last line written: choice a's error is the
+    stream's status (500), and no usage line follows though b ended normally after it."""
+    choices = _Choices()
+    statuses: list[int] = []
+    metrics = SimpleNamespace(on_abort=lambda *a: None, on_stream=lambda *a: None,
+                              on_request=lambda status, *a: statuses.append(status))
+    response = stream_response(lambda e: {"text": e.text}, choices.group,
+                               SimpleNamespace(metrics=metrics), sse=False, done_line=False,
+                               start=0.0, coalesce=True, trailer=lambda e: {"usage": 1})
+    failed = TokenEvent("a", None, "", None, 3, 1, "error", "internal")
+    choices.deliver(_event("a", 0), _event("b", 0), failed)
+    choices.deliver(_event("b", 1, last=True))
+    lines = [json.loads(line) for line in "".join(response.response).splitlines()]
+    assert [line.get("text") for line in lines] == ["a0", "b0", None, "b1"]
+    assert "usage" not in lines[-1] and statuses == [500]

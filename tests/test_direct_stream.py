@@ -243,6 +243,18 @@ def test_a_failing_line_maker_raises_after_the_lines_made_before_it(pair) -> Non
     assert _read_exactly(client, len(chunk(b"10:t0\n"))) == chunk(b"10:t0\n")
 
 
+def test_a_wait_cut_short_by_an_exception_lets_go_of_the_stream(pair) -> None:
+    server, _ = pair
+    loop = _Loop()
+
+    def broken() -> None:
+        raise RuntimeError("the check broke")
+    loop.handle.check_cancel = broken
+    request = _Request(loop, server)
+    request.join()
+    assert isinstance(request.error, RuntimeError) and loop.handle._listener is None
+
+
 def test_when_the_output_thread_stops_the_request_thread_takes_over(pair) -> None:
     server, _ = pair
     loop = _Loop()

@@ -82,8 +82,11 @@ class HandleGroup:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + CHECK_SECONDS
                 self.check_cancel()
-            if not self.events_may_come():  # each ends as a lone handle does
+            if not self.events_may_come():  # what is queued, then each unfinished choice's end
                 for handle in self.handles:
-                    yield from handle.events()
+                    while (event := handle.next_ready()) is not None:
+                        yield event
+                    if not handle.finished:
+                        yield handle.end_unserved()
                 return
             delivered.wait(CHECK_SECONDS)

@@ -84,11 +84,15 @@ class DirectWriter:
         once the stream is written, or once the request thread must write the rest itself (the
         events after those taken here). Raises what a line maker or the socket raised."""
         self._handle.on_delivery(self._drive)
-        self._drive()  # what came while the response's headers went out
-        while not self._done.wait(WAIT_SECONDS):
-            self._handle.check_cancel()  # a client gone before its next token
-            if not self._handle.events_may_come():
-                self._let_go()  # the request thread reads the loop's final event itself
+        try:
+            self._drive()  # what came while the response's headers went out
+            while not self._done.wait(WAIT_SECONDS):
+                self._handle.check_cancel()  # a client gone before its next token
+                if not self._handle.events_may_come():
+                    self._let_go()  # the request thread reads the loop's final event itself
+        finally:  # whatever interrupts the wait, the output thread writes no more
+            if not self._done.is_set():
+                self._let_go()
         if self._unsent:
             self._sock.sendall(self._unsent)  # on the request thread: it may wait
         if self._error is not None:

@@ -203,7 +203,7 @@ def stream_response(line_of: LineOf, handle: RequestHandle | HandleGroup, state:
                 # the rest of a stream handed back: the events the writer did not take
                 yield from _by_request_thread(lines_left, handle, written, coalesce)
             last = written.last
-            if trailer is not None and last is not None and final_error(last) is None:
+            if trailer is not None and last is not None and written.failed is None:
                 yield line_text(trailer(last), sse)
             if done_line:  # OpenAI's end-of-stream marker
                 yield "data: [DONE]\n\n"
@@ -215,12 +215,14 @@ def stream_response(line_of: LineOf, handle: RequestHandle | HandleGroup, state:
 
 
 class _Written:
-    """A stream's lines made so far: their text, the times of its tokens, its last event."""
+    """A stream's lines made so far: their text, the times of its tokens, its last event, and
+    the first final event that was an error (of any of its choices)."""
 
     def __init__(self, sse: bool) -> None:
         self.sse = sse
         self.times: list[float] = []
         self.last: TokenEvent | None = None
+        self.failed: TokenEvent | None = None
         self.writer = "request_thread"  # who wrote the stream after its first line
 
     def text(self, line: dict | str | bytes, event: TokenEvent) -> str | bytes:
@@ -229,6 +231,7 @@ class _Written:
             self.times.append(time.monotonic())
         error = final_error(event) if event.finished else None
         if error is not None:
+            self.failed = self.failed or event
             line = {**error.body(), "error": error.message, "details": {"finish_reason": "error"}}
         return line if isinstance(line, str | bytes) else line_text(line, self.sse)
 
@@ -265,9 +268,12 @@ def _end_stream(handle: RequestHandle, state: ServerState, written: _Written,
                 start: float) -> None:
     handle.abort()  # no-op when finished; frees KV when the client disconnected
     last = written.last
-    status = _stream_status(handle, last)
+    # How it ended: every choice's final line written (else the client left first), and of
+    # those the first that was an error, if any
+    end = (written.failed or last) if handle.finished and last and last.finished else None
+    status = _stream_status(handle, end)
     if status != 200:
-        state.metrics.on_abort(_abort_reason(handle, last))
+        state.metrics.on_abort(_abort_reason(handle, end))
     state.metrics.on_stream(written.writer)
     state.metrics.on_request(status, handle.num_prompt_tokens, written.times, start,
                              time.monotonic())
@@ -279,15 +285,16 @@ def line_text(line: dict, sse: bool) -> str:
     return framed(json.dumps(line), sse)
 
 
-def _stream_status(handle: RequestHandle, last: TokenEvent | None) -> int:
-    if handle.cancelled or last is None or not last.finished:
+def _stream_status(handle: RequestHandle | HandleGroup, end: TokenEvent | None) -> int:
+    if handle.cancelled or end is None:
         return CLIENT_GONE.code  # the client closed the connection first
-    error = final_error(last)
+    error = final_error(end)
     return error.code if error else 200
 
 
-def _abort_reason(handle: RequestHandle, last: TokenEvent | None) -> str:
-    """Why a request ended early, for the aborted-requests metric."""
+def _abort_reason(handle: RequestHandle | HandleGroup, last: TokenEvent | None) -> str:
+    """Why a request ended early, for the aborted-requests metric (`last`: its final event,
+    None when it did not get there)."""
     if handle.cancelled or last is None or not last.finished:
         return "client_disconnect"
     return {"abort": "shutdown", "timeout": "timeout"}.get(last.finish_reason or "", "error")
