@@ -264,7 +264,7 @@ def _by_request_thread(lines: Lines, handle: RequestHandle | HandleGroup, writte
         yield "".join(unsent)
 
 
-def _end_stream(handle: RequestHandle, state: ServerState, written: _Written,
+def _end_stream(handle: RequestHandle | HandleGroup, state: ServerState, written: _Written,
                 start: float) -> None:
     handle.abort()  # no-op when finished; frees KV when the client disconnected
     last = written.last
@@ -300,7 +300,8 @@ def _abort_reason(handle: RequestHandle | HandleGroup, last: TokenEvent | None) 
     return {"abort": "shutdown", "timeout": "timeout"}.get(last.finish_reason or "", "error")
 
 
-def _log(handle: RequestHandle, last: TokenEvent, start: float, times: list[float]) -> None:
+def _log(handle: RequestHandle | HandleGroup, last: TokenEvent, start: float,
+         times: list[float]) -> None:
     ttft = f"{(times[0] - start) * 1000:.0f}" if times else "-"
     logger.info("request %s: %d prompt tokens, %d generated, finish %s, ttft %s ms, total %.0f ms",
                 handle.request_id, handle.num_prompt_tokens, last.num_output_tokens,
