@@ -137,6 +137,16 @@ for preset in $PRESETS; do
     done
     [ "$preset" = "$first" ] || rm -rf "$model"  # a 7B folder is ~13 GB
 done
+wait_ping() {  # wait_ping STEP PORT: until the server on PORT answers /ping (a step, 150 s)
+    step "$1" 150 "$PY" -c "
+import time, urllib.request
+while True:
+    try:
+        urllib.request.urlopen('http://127.0.0.1:$2/ping', timeout=2)
+        break
+    except OSError:
+        time.sleep(1)"
+}
 served() {  # served MODEL COUNT: serve it with api_server_count=COUNT, load it, stop it
     local props=/tmp/gpu-check-served-$2.properties port=$((8090 + $2)) pid
     printf "option.rolling_batch=paged\noption.max_rolling_batch_size=128\n\
@@ -145,14 +155,7 @@ option.api_server_count=%s\n" "$dtype" "$DEVICE" "$2" > "$props"
     "$PY" -m handler.cli serve --properties "$props" --model-dir "$1" --host 127.0.0.1 \
         --port "$port" >> "$OUT/log.txt" 2>&1 &
     pid=$!
-    step "served-ping-$2" 150 "$PY" -c "
-import time, urllib.request
-while True:
-    try:
-        urllib.request.urlopen('http://127.0.0.1:$port/ping', timeout=2)
-        break
-    except OSError:
-        time.sleep(1)"
+    wait_ping "served-ping-$2" "$port"
     step "served-api-server-count-$2" 90 "$PY" \
         docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py --port "$port" \
         --model-dir "$1" -n "${SERVED_REQUESTS:-1280}" -c 128
@@ -206,14 +209,7 @@ ratio_served() {  # ratio_served NAME MODEL PROPERTIES SERVER_CPUS CLIENT_CPUS N
     OMP_NUM_THREADS=1 "${server[@]}" "$PY" -m handler.cli serve --properties "$3" \
         --model-dir "$2" --host 127.0.0.1 --port "$port" >> "$OUT/log.txt" 2>&1 &
     pid=$!
-    step "ratio-$1-ping" 150 "$PY" -c "
-import time, urllib.request
-while True:
-    try:
-        urllib.request.urlopen('http://127.0.0.1:$port/ping', timeout=2)
-        break
-    except OSError:
-        time.sleep(1)"
+    wait_ping "ratio-$1-ping" "$port"
     for clients in $7; do
         MODEL=$2 step "ratio-$1-c$clients" 60 "${client[@]}" "$PY" "$R/measure.py" "$port" "$6" \
             "$clients" && grep "req/s | batch" "$OUT/log.txt" | tail -1 | \
