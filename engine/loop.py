@@ -92,10 +92,7 @@ class RequestHandle:
         the output thread drives through on_delivery() (a stream written without its request
         thread). events() then goes on after them."""
         ready: list[TokenEvent] = []
-        events = self._events
-        while not self.finished and not events.empty():
-            event = events.get_nowait()
-            self.finished = event.finished
+        while (event := self.next_ready()) is not None:
             ready.append(event)
         return ready
 
