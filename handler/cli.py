@@ -61,7 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     logger.info("configuration: %s", config.describe())
     if config.engine_process:
-        passive_openmp(os.environ)
+        brief_openmp_spin(os.environ)
     core = None
     if config.api_server_count > 1:  # one core process prepares and loads for every worker
         from engine import CoreServer
@@ -114,14 +114,20 @@ def on_ready(state: ServerState) -> None:
         step_back_for_core(state.config.api_server_nice, state.config.api_server_count)
 
 
-def passive_openmp(environ) -> None:
-    """OpenMP threads that sleep between parallel regions in the engine core process (spawned
-    later: it inherits `environ`), unless the user chose. libgomp's default spins for a while
-    after each region, which took ~half a core from the HTTP threads on a 2-vCPU host: the
-    core's CPU time halved and served req/s rose ~10 %. With cores to spare, set
-    OMP_WAIT_POLICY=ACTIVE to spin again."""
+# Spins of libgomp's wait after a parallel region before its thread sleeps (~85 µs on a 2-vCPU
+# EPYC): the gaps between one forward's regions, not the host's work between two steps.
+CORE_OPENMP_SPIN_COUNT = 3000
+
+
+def brief_openmp_spin(environ) -> None:
+    """The engine core process (spawned later: it inherits `environ`) gets OpenMP threads that
+    spin briefly after each parallel region, unless the user chose a wait policy. libgomp's
+    default spin (300,000) starved the HTTP threads on 2 vCPUs: tokens reached clients in
+    bursts. Sleeping at once (OMP_WAIT_POLICY=PASSIVE, the earlier default) paid a thread wake-up
+    per region: the default model's batch-1 decode ran at 27 ms per token instead of 16 and
+    served paged lost a quarter of its req/s (docs/benchmark/cpu-2026-11-27-openmp/)."""
     if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        environ["GOMP_SPINCOUNT"] = str(CORE_OPENMP_SPIN_COUNT)
 
 
 def resolve_config(args: argparse.Namespace, environ):

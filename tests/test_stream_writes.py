@@ -11,7 +11,7 @@ import pytest
 
 from engine.loop import RequestHandle
 from engine.outputs import TokenEvent
-from handler.cli import passive_openmp
+from handler.cli import CORE_OPENMP_SPIN_COUNT, brief_openmp_spin
 from handler.http.chat import parse_chat
 from handler.http.chat_route import ChoiceStream, _plain_content
 from handler.http.completions import CompletionLines, completion_chunk, parse_completion
@@ -98,13 +98,14 @@ def test_lines_made_before_a_failure_are_written() -> None:
         next(chunks)
 
 
-def test_core_process_openmp_waits_passively_unless_the_user_chose() -> None:
+def test_core_process_openmp_spins_briefly_unless_the_user_chose() -> None:
     environ: dict[str, str] = {}
-    passive_openmp(environ)
-    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
-    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):
+    brief_openmp_spin(environ)
+    assert environ == {"GOMP_SPINCOUNT": str(CORE_OPENMP_SPIN_COUNT)}
+    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"},
+                   {"GOMP_SPINCOUNT": "10000"}):
         environ = dict(chosen)
-        passive_openmp(environ)
+        brief_openmp_spin(environ)
         assert environ == chosen
 
 
