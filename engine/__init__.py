@@ -22,7 +22,7 @@ from engine.guided import GuidedSpec, check_spec
 from engine.heap import freeze_start_up_heap
 from engine.inputs import GenerationRequest
 from engine.llm_engine import LLMEngine
-from engine.loop import EngineDeadError, QueueFullError, RequestHandle
+from engine.loop import CANCEL_CHECK_SECONDS, EngineDeadError, QueueFullError, RequestHandle
 from engine.model_files import ModelFileError, read_json_object
 from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
 from engine.outputs import Gauges, StepStats, TokenEvent
@@ -30,7 +30,8 @@ from engine.sampling_params import MAX_TOP_LOGPROBS, RequestError, SamplingParam
 from engine.sequence import FinishReason
 
 __all__ = [
-    "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "DEVICES", "DTYPES", "LINEAR_BACKENDS",
+    "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "CANCEL_CHECK_SECONDS", "DEVICES", "DTYPES",
+    "LINEAR_BACKENDS",
     "MAX_TOP_LOGPROBS", "MODEL_IMPLS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
     "CoreAddress", "CoreServer", "EngineClient", "EngineConfig", "EngineDeadError",
     "FinishReason", "Gauges",

@@ -6,11 +6,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from engine import RequestHandle, TokenEvent
-
-# How often a waiting reader checks its client and that events can still come (a lone
-# handle's cadence with a cancel check)
-CHECK_SECONDS = 0.1
+from engine import CANCEL_CHECK_SECONDS, RequestHandle, TokenEvent
 
 
 def one_stream(handles: list[RequestHandle]
@@ -80,7 +76,7 @@ class HandleGroup:
             if taken:
                 continue
             if time.monotonic() >= next_check:
-                next_check = time.monotonic() + CHECK_SECONDS
+                next_check = time.monotonic() + CANCEL_CHECK_SECONDS
                 self.check_cancel()
             if not self.events_may_come():  # what is queued, then each unfinished choice's end
                 for handle in self.handles:
@@ -89,4 +85,4 @@ class HandleGroup:
                     if not handle.finished:
                         yield handle.end_unserved()
                 return
-            delivered.wait(CHECK_SECONDS)
+            delivered.wait(CANCEL_CHECK_SECONDS)

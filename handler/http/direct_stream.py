@@ -25,14 +25,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine import RequestHandle, TokenEvent
+from engine import CANCEL_CHECK_SECONDS, RequestHandle, TokenEvent
 
 if TYPE_CHECKING:
     from handler.http.choices import HandleGroup
 
-# How often a waiting request thread checks its client and that the output thread still runs
-# (the same cadence as a request thread reading its events with a cancel check).
-WAIT_SECONDS = 0.1
 # A route's line for one event: a JSON object, or its text (str: framed as written; bytes: an
 # output formatter's). A stateful callable, called once per event in order, by one thread at a
 # time: the request thread, or the output thread while it writes the stream.
@@ -86,7 +83,7 @@ class DirectWriter:
         self._handle.on_delivery(self._drive)
         try:
             self._drive()  # what came while the response's headers went out
-            while not self._done.wait(WAIT_SECONDS):
+            while not self._done.wait(CANCEL_CHECK_SECONDS):
                 self._handle.check_cancel()  # a client gone before its next token
                 if not self._handle.events_may_come():
                     self._let_go()  # the request thread reads the loop's final event itself
