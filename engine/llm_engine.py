@@ -71,6 +71,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._last_batch: ScheduledBatch | None = None
         self._preemptions_reported = 0  # by last_step_stats, which reports the new ones
+        self._step_seconds = 0.0  # all steps' time, and their sequences summed: the gauges'
+        self._sequence_steps = 0  # mean step cost per sequence
         self.phases: PhaseClock = NoPhases()
         self.output_processor = OutputProcessor(tokenizer)
         self._guided: GuidedDecoding | None = None  # see `guided`
@@ -309,6 +311,8 @@ class LLMEngine:
         batch, allocator = self._last_batch, self.scheduler.allocator
         preempted = self.scheduler.num_preemptions - self._preemptions_reported
         self._preemptions_reported = self.scheduler.num_preemptions
+        self._step_seconds += seconds
+        self._sequence_steps += len(batch.seqs) if batch else 0
         return StepStats(
             num_seqs=len(batch.seqs) if batch else 0,
             num_prefill_tokens=batch.num_prefill_tokens if batch else 0,
@@ -328,7 +332,8 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             kv_blocks_used=allocator.num_used_blocks, kv_blocks_total=allocator.num_blocks,
             kv_block_size=allocator.block_size, max_concurrency=self.max_concurrency,
-            prefix_cache_hit_rate=hit_rate)
+            prefix_cache_hit_rate=hit_rate, step_seconds=self._step_seconds,
+            sequence_steps=self._sequence_steps)
 
     def _outputs(self, batch: ScheduledBatch,
                  samples: list[SampledToken | None]) -> list[StepOutput]:

@@ -57,8 +57,9 @@ class StepStats:
 
 @dataclass(frozen=True)
 class Gauges:
-    """The engine's state in one snapshot, for /ping and /metrics; taken on the loop thread
-    before each batch of events is handed out, so a finished request is already counted."""
+    """The engine's state in one snapshot, for /ping, /metrics and the HTTP threads' CPU
+    priority (handler/cpu_priority.py); taken on the loop thread before each batch of events
+    is handed out, so a finished request is already counted."""
 
     alive: bool  # the loop runs and accepts work
     num_in_flight: int  # submitted and not yet finished (queued in the inbox included)
@@ -69,3 +70,5 @@ class Gauges:
     kv_block_size: int  # tokens per block; max_model_len for the contiguous strategies
     max_concurrency: int  # sequences of max_model_len tokens the pool holds at once
     prefix_cache_hit_rate: float  # prompt blocks found / looked up; 0 without prefix caching
+    step_seconds: float = 0.0  # in steps since start-up (as timed for StepStats)
+    sequence_steps: int = 0  # the sequences of those steps, summed (a batch of 8: 8)

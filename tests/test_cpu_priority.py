@@ -1,7 +1,8 @@
 """The HTTP process's threads step back for the engine core process (handler/cpu_priority.py):
-how many CPUs count as usable (affinity, a container's CPU quota), when auto steps back, and
-that every thread, including those started later, takes the niceness while a process started
-before keeps its own."""
+how many CPUs count as usable (affinity, a container's CPU quota), when auto steps back (a CPU
+to spare, the core's steps as cheap as the HTTP work, measured while serving), and that every
+thread, including those started later, takes the niceness while a process started before
+keeps its own."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from handler.cpu_priority import MAX_NICE, resolve_nice, step_back, usable_cpus
+from engine.outputs import Gauges
+from handler import cpu_priority
+from handler.cpu_priority import (
+    MAX_NICE,
+    SEQUENCE_STEPS_TO_DECIDE,
+    resolve_nice,
+    step_back,
+    usable_cpus,
+)
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -37,17 +46,53 @@ def test_usable_cpus_is_the_affinity_mask_capped_by_a_cgroup_quota(tmp_path, fil
     assert usable_cpus(tmp_path) == expected
 
 
-@pytest.mark.parametrize(("setting", "servers", "cpus", "expected"), [
-    (None, 1, 1, 0),  # one CPU: the HTTP side would starve, and the core wait for its input
-    (None, 1, 2, MAX_NICE),
-    (None, 2, 2, 0),  # two HTTP processes and the core on two CPUs
-    (None, 2, 3, MAX_NICE),
-    (0, 1, 16, 0),  # off
-    (7, 1, 1, 7),  # what the user chose, whatever the host
+@pytest.mark.parametrize(("setting", "servers", "cpus", "per_sequence", "expected"), [
+    (None, 1, 1, 20e-6, 0),  # one CPU: the HTTP side would starve, the core wait for input
+    (None, 1, 2, None, 0),  # the core's steps not measured yet
+    (None, 1, 2, 20e-6, MAX_NICE),  # the tests' 2-layer model: +31-51 % req/s
+    (None, 1, 2, 1.25e-3, 0),  # SmolLM2-135M: nothing to gain, inter-token p99 +45 %
+    (None, 2, 2, 20e-6, 0),  # two HTTP processes and the core on two CPUs
+    (None, 2, 3, 20e-6, MAX_NICE),
+    (0, 1, 16, 20e-6, 0),  # off
+    (7, 1, 1, None, 7),  # what the user chose, whatever the host and the model
 ])
-def test_auto_steps_back_only_with_a_cpu_for_the_core_besides_the_http_processes(
-        setting, servers, cpus, expected) -> None:
-    assert resolve_nice(setting, servers, cpus) == expected
+def test_auto_steps_back_with_a_cpu_to_spare_and_steps_as_cheap_as_the_http_work(
+        setting, servers, cpus, per_sequence, expected) -> None:
+    assert resolve_nice(setting, servers, cpus, per_sequence) == expected
+
+
+def _gauges(sequence_steps: int, step_seconds: float, alive: bool = True) -> Gauges:
+    return Gauges(alive, 0, 0, 0, 0, 8, 16, 4, 0.0, step_seconds, sequence_steps)
+
+
+@pytest.mark.parametrize(("seconds", "expected", "logged"), [
+    (0.02, MAX_NICE, "HTTP threads at niceness +19"),  # 20 µs per sequence
+    (1.3, 0, "HTTP threads keep their CPU priority"),  # 1,270 µs
+])
+def test_auto_decides_once_the_core_has_run_enough_steps(monkeypatch, caplog, seconds,
+                                                          expected, logged) -> None:
+    """Nothing is decided until SEQUENCE_STEPS_TO_DECIDE sequence-steps are measured; then
+    the measured cost decides, once, and the log says it with the figure."""
+    taken: list[int] = []
+    monkeypatch.setattr(cpu_priority, "step_back",
+                        lambda increment: taken.append(increment) or 9 * (increment > 0))
+    seen = iter([_gauges(0, 0.0), _gauges(512, seconds / 2), _gauges(1024, seconds),
+                 _gauges(2048, 99.0)])
+    with caplog.at_level(logging.INFO):
+        cpu_priority._decide_when_measured(lambda: next(seen), 1, 2, poll_seconds=0)
+    assert taken == [expected]
+    assert next(seen).sequence_steps == 2048  # it stopped looking once decided
+    per_sequence = round(seconds / SEQUENCE_STEPS_TO_DECIDE * 1e6)
+    assert logged in caplog.text and f"{per_sequence} µs per sequence" in caplog.text
+
+
+def test_auto_leaves_the_priority_alone_when_the_engine_stops_first(monkeypatch) -> None:
+    taken: list[int] = []
+    monkeypatch.setattr(cpu_priority, "step_back",
+                        lambda increment: taken.append(increment) or 9 * (increment > 0))
+    seen = iter([_gauges(10, 0.001), _gauges(10, 0.001, alive=False)])
+    cpu_priority._decide_when_measured(lambda: next(seen), 1, 2, poll_seconds=0)
+    assert taken == []
 
 
 SCRIPT = """

@@ -211,6 +211,23 @@ def test_gauges_show_a_request_gone_as_soon_as_its_last_event_arrives(served) ->
     assert gauges.alive and gauges.kv_blocks_total > 0
 
 
+def test_gauges_sum_every_steps_time_and_sequences(engine) -> None:
+    """The gauges carry what the core's steps cost per sequence (the HTTP threads' CPU
+    priority is decided by it): the sums of every step's StepStats."""
+    steps: list[StepStats] = []
+    client = EngineClient(engine, 4, steps.append)
+    client.start()
+    try:
+        handles = [client.submit(request(greedy(n))) for n in (3, 6)]
+        assert all(collect(h)[-1].finished for h in handles)
+        gauges = client.gauges()
+    finally:
+        client.shutdown(grace_seconds=0)
+    assert gauges.sequence_steps == sum(s.num_seqs for s in steps) >= 9  # a step per token
+    assert gauges.step_seconds == pytest.approx(sum(s.step_seconds for s in steps))
+    assert gauges.step_seconds > 0
+
+
 class _CoreAhead:
     """A core that has run ahead of the output thread: its updates are all waiting."""
 

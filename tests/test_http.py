@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from handler.cpu_priority import usable_cpus
+from handler.cpu_priority import STEP_BACK_BELOW_SECONDS_PER_SEQUENCE, usable_cpus
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import first_answer, running_server, server_argv, wait_for_ping
 
@@ -85,20 +86,38 @@ def _thread_nices(pid: int) -> set[int]:
     return {_stat(str(task))["nice"] for task in Path(f"/proc/{pid}/task").iterdir()}
 
 
+def _niceness_decided(log: str) -> str | None:
+    """The log line that says what the HTTP threads' niceness is now (auto says it once the
+    core has run enough steps to measure them)."""
+    return next((x for x in log.splitlines() if "HTTP threads at niceness" in x
+                 or "HTTP threads keep their CPU priority (" in x), None)
+
+
 def test_http_threads_step_back_for_the_engine_core_process(server) -> None:
     """Every thread of the HTTP worker, those started for requests too, runs at the niceness
-    the log states (auto: 19 with 2+ CPUs, else none); its engine core keeps the server's."""
+    the log states (auto: 19 with 2+ CPUs once the core's steps, measured while serving, cost
+    under 200 µs per sequence, else none); its engine core keeps the server's."""
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 130, "ignore_eos": True}}
+    with ThreadPoolExecutor(8) as pool:  # 8 x 130 sequence-steps: enough for auto to decide
+        answers = list(pool.map(lambda _: post(server.url, body), range(8)))
+    assert {r.status_code for r in answers} == {200}
+    end = time.monotonic() + 10
+    while (line := _niceness_decided(server.log())) is None and time.monotonic() < end:
+        time.sleep(0.1)
+    assert line is not None, "auto never decided"
     assert len(many_clients(server.url, 8)) == 8  # request threads started after the step
     master = server.process.pid
     (worker,) = _children(master)
     (core,) = [pid for pid in _children(worker)  # not multiprocessing's resource tracker
                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    line = next(x for x in server.log().splitlines() if "HTTP threads" in x)
     step = 0 if "keep their CPU priority" in line else int(line.split("niceness +")[1].split()[0])
     base = _stat(f"/proc/{master}")["nice"]
     assert _thread_nices(worker) == {min(19, base + step)}
     assert _thread_nices(core) == {base}
-    assert (step == 19) == (usable_cpus() > 1 and "=auto" in line)
+    measured = re.search(r"steps (\d+) µs per sequence", line)
+    cheap = measured is not None and int(measured[1]) < STEP_BACK_BELOW_SECONDS_PER_SEQUENCE * 1e6
+    assert (step == 19) == (usable_cpus() > 1 and "=auto" in line and cheap)
+    assert (measured is None) == (usable_cpus() == 1)  # one CPU: decided at once
 
 
 def test_list_inputs_answer_a_list_in_order(server) -> None:
