@@ -84,6 +84,7 @@ class EngineCore:
         self._deadlines: dict[str, float] = {}
         self._stopping = False
         self._failures = 0
+        self._gauges_unsent = False  # requests queued or aborted since the last update
         self.watch = StepWatch()
         engine.measure_phases(self.watch.phases)
 
@@ -113,12 +114,13 @@ class EngineCore:
         """One step if there is work; returns how long the next receive may wait."""
         engine = self.engine
         if not engine.has_unfinished():
+            self._send([], force=self._gauges_unsent)
             return IDLE_POLL_SECONDS
         self.watch.start()
         start = time.perf_counter()
         outputs = self._step()
         if engine.last_batch is None:  # nothing could run: wait for time or input
-            self._send(outputs, force=False)
+            self._send(outputs, force=self._gauges_unsent)
             hint = engine.scheduler.wait_hint()
             return IDLE_POLL_SECONDS if hint is None else max(hint, 1e-4)
         stats = engine.last_step_stats(time.perf_counter() - start)
@@ -152,8 +154,10 @@ class EngineCore:
                 outputs += self._abort(message.request_id, message.reason, message.error)
             else:
                 self._stopping = True
-        if messages:  # the gauges count what was just queued or freed
+        if outputs:
             self._send(outputs)
+        elif messages:  # the gauges count it in the next update: one per step, not two
+            self._gauges_unsent = True
 
     def _expire(self, now: float) -> None:
         expired = [rid for rid, t in self._deadlines.items() if t <= now]
@@ -174,6 +178,7 @@ class EngineCore:
         for out in outputs:
             if out.finish_reason is not None:
                 self._deadlines.pop(out.request_id, None)
+        self._gauges_unsent = False
         self._publish(CoreUpdate(outputs, self.engine.gauges(), stats))
 
     def _end_all(self, error: str) -> None:

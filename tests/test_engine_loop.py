@@ -19,8 +19,9 @@ from engine import (
     RequestError,
     SamplingParams,
 )
-from engine.core import CoreUpdate
+from engine.core import CoreUpdate, EngineCore
 from engine.guided import GuidedDecoding
+from engine.inputs import AbortRequest, AddRequest, StopCore
 from engine.loop import EngineLoop, RequestHandle
 from engine.output_processor import StepOutput
 from engine.outputs import Gauges, StepStats
@@ -306,3 +307,35 @@ def test_streams_that_start_or_end_in_a_delivery_are_written_first(model_dir) ->
     queued = {rid: [handle._events.get_nowait().num_output_tokens
                     for _ in range(handle._events.qsize())] for rid, handle in handles.items()}
     assert queued == {"mid": [5, 6], "first": [1, 2], "last": [9], "mid2": [2]}
+
+
+def _run_core(engine: LLMEngine, inbox: list[list]) -> list[CoreUpdate | None]:
+    """EngineCore over a scripted inbox: the next list of messages each time it receives with
+    no request left unfinished (none while it has work), then StopCore. Every update it
+    publishes, in order."""
+    script, published = iter(inbox), []
+
+    def receive(timeout: float | None) -> list:
+        return [] if engine.has_unfinished() else next(script, [StopCore()])
+    EngineCore(engine, receive, published.append).run()
+    return published
+
+
+def test_the_core_publishes_one_update_per_step_not_one_more_per_arrival(engine) -> None:
+    """Arrivals ride on the next step's update (its gauges count them); a core with nothing
+    to run still publishes what an abort changed, once."""
+    updates = _run_core(engine, [[AddRequest("a", request(greedy(3)))], [AbortRequest("gone")]])
+    assert [u.stats is not None for u in updates[:4]] == [True, True, True, False]
+    assert [len(u.outputs) for u in updates[:4]] == [1, 1, 1, 0]
+    assert updates[0].gauges.num_running == 1 and updates[3].gauges.num_running == 0
+    assert updates[-1] is None
+
+
+def test_a_core_that_cannot_step_yet_still_shows_the_arrival_in_its_gauges(model_dir) -> None:
+    waiting = make_engine(model_dir, "dynamic", max_batch_delay_ms=60_000.0)
+    script = iter([[AddRequest("a", request(greedy(3)))]])
+    published: list[CoreUpdate | None] = []
+    EngineCore(waiting, lambda timeout: next(script, [StopCore()]), published.append).run()
+    first, *_, last_error, end = published
+    assert first.stats is None and first.outputs == [] and first.gauges.num_waiting == 1
+    assert last_error.outputs[0].finish_reason is not None and end is None  # stopped
