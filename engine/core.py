@@ -156,7 +156,7 @@ class EngineCore:
                 self._stopping = True
         if outputs:
             self._send(outputs)
-        elif messages:  # the gauges count it in the next update: one per step, not two
+        elif messages and not self._stopping:  # the next update counts them: one per step
             self._gauges_unsent = True
 
     def _expire(self, now: float) -> None:

@@ -332,8 +332,8 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             kv_blocks_used=allocator.num_used_blocks, kv_blocks_total=allocator.num_blocks,
             kv_block_size=allocator.block_size, max_concurrency=self.max_concurrency,
-            prefix_cache_hit_rate=hit_rate, step_seconds=self._step_seconds,
-            sequence_steps=self._sequence_steps)
+            prefix_cache_hit_rate=hit_rate, total_step_seconds=self._step_seconds,
+            total_sequence_steps=self._sequence_steps)
 
     def _outputs(self, batch: ScheduledBatch,
                  samples: list[SampledToken | None]) -> list[StepOutput]:

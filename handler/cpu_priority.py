@@ -92,7 +92,7 @@ def step_back(increment: int, task_dir: Path = Path("/proc/self/task")) -> int:
     if increment <= 0:
         return 0
     seen: set[int] = set()
-    for _ in range(3):  # again for threads started by a thread not yet set
+    for _ in range(10):  # again for threads started by a thread not yet set
         try:
             new = {int(name) for name in os.listdir(task_dir)} - seen
         except OSError as err:
@@ -138,11 +138,11 @@ def step_back_for_core(setting: int | None, api_server_count: int,
 
 def _decide_when_measured(gauges: Callable[[], Gauges], api_server_count: int, cpus: int,
                           poll_seconds: float = DECIDE_POLL_SECONDS) -> None:
-    while (now := gauges()).sequence_steps < SEQUENCE_STEPS_TO_DECIDE:
+    while (now := gauges()).total_sequence_steps < SEQUENCE_STEPS_TO_DECIDE:
         if not now.alive:  # the engine stopped first: nothing to step back for
             return
         time.sleep(poll_seconds)
-    per_sequence = now.step_seconds / now.sequence_steps
+    per_sequence = now.total_step_seconds / now.total_sequence_steps
     _step_back_and_log(resolve_nice(None, api_server_count, cpus, per_sequence), None,
                        api_server_count, cpus, per_sequence)
 

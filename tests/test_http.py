@@ -15,7 +15,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from handler.cpu_priority import STEP_BACK_BELOW_SECONDS_PER_SEQUENCE, usable_cpus
+from handler.cpu_priority import (
+    SEQUENCE_STEPS_TO_DECIDE,
+    STEP_BACK_BELOW_SECONDS_PER_SEQUENCE,
+    usable_cpus,
+)
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import first_answer, running_server, server_argv, wait_for_ping
 
@@ -97,8 +101,9 @@ def test_http_threads_step_back_for_the_engine_core_process(server) -> None:
     """Every thread of the HTTP worker, those started for requests too, runs at the niceness
     the log states (auto: 19 with 2+ CPUs once the core's steps, measured while serving, cost
     under 200 µs per sequence, else none); its engine core keeps the server's."""
-    body = {"inputs": "x", "parameters": {"max_new_tokens": 130, "ignore_eos": True}}
-    with ThreadPoolExecutor(8) as pool:  # 8 x 130 sequence-steps: enough for auto to decide
+    tokens = SEQUENCE_STEPS_TO_DECIDE // 8 + 64  # 8 such requests: enough for auto to decide
+    body = {"inputs": "x", "parameters": {"max_new_tokens": tokens, "ignore_eos": True}}
+    with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: post(server.url, body), range(8)))
     assert {r.status_code for r in answers} == {200}
     end = time.monotonic() + 10
