@@ -34,23 +34,33 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
-WHEELS=(flask==3.1.3 werkzeug==3.1.3 blinker==1.9.0 itsdangerous==2.2.0 gunicorn==27.0.1
-        llguidance==1.9.1 transformers==5.23.0 tokenizers==0.23.3)
+# What the device's image lacks; carried at the versions this checkout's .venv runs (installed
+# from pyproject.toml's pins), so that the device runs what CI tests.
+WHEEL_NAMES=(flask werkzeug blinker itsdangerous gunicorn llguidance transformers tokenizers)
+SDIST_NAMES=(gunicorn-h1c)  # published as source only: built on the device (its compiler)
+
+pins() {  # NAME...: NAME==VERSION for each, as installed in .venv
+    .venv/bin/python -c 'import importlib.metadata as m, sys
+print(*(f"{name}=={m.version(name)}" for name in sys.argv[1:]))' "$@"
+}
 
 if [ "${1:-}" = --fetch ]; then
-    mkdir -p "$CARRY/wheels" "$CARRY/tokenizer"
+    wheels=$(pins "${WHEEL_NAMES[@]}") && sdists=$(pins "${SDIST_NAMES[@]}") || exit 1
+    read -ra WHEELS <<< "$wheels" && read -ra SDISTS <<< "$sdists"
+    rm -rf "$CARRY/new" && mkdir -p "$CARRY/new/wheels" "$CARRY/new/sdist" "$CARRY/tokenizer"
     .venv/bin/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$CARRY/wheels" "${WHEELS[@]}" || exit 1
+        -d "$CARRY/new/wheels" "${WHEELS[@]}" || exit 1
+    .venv/bin/python -m pip download --quiet --no-deps --no-binary=:all: \
+        -d "$CARRY/new/sdist" "${SDISTS[@]}" || exit 1
+    rm -rf "$CARRY/wheels" "$CARRY/sdist"  # no older version left beside the new ones
+    mv "$CARRY/new/wheels" "$CARRY/new/sdist" "$CARRY/" && rmdir "$CARRY/new" || exit 1
     model=$(.venv/bin/python -c "from handler.model_source.default_model import \
 ensure_default_model; print(ensure_default_model())") || exit 1
     cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/chat_template.jinja \
         "$CARRY/tokenizer/" || exit 1
-    # gunicorn's C parser is published as source only: built on the device (its compiler)
-    mkdir -p "$CARRY/sdist"
-    .venv/bin/python -m pip download --quiet --no-deps --no-binary=:all: -d "$CARRY/sdist" \
-        gunicorn-h1c==0.6.9 || exit 1
+    echo "carried: ${WHEELS[*]} ${SDISTS[*]}"
     du -sh "$CARRY"
     exit 0
 fi

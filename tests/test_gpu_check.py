@@ -3,6 +3,7 @@ or that session spends its device minutes on a typo."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -62,3 +63,15 @@ def test_the_sweep_check_names_properties_files_that_exist() -> None:
     assert names == {"paged.properties", "continuous.properties", "dynamic.properties"}
     for name in names:
         assert (SCRIPT.parent.parent / "serving.properties.d" / name).is_file()
+
+
+def test_the_carried_packages_are_named_not_pinned_and_installed_here() -> None:
+    """--fetch takes each carried package at the version this environment runs (from
+    pyproject.toml's pins): no second list of versions in the script to drift."""
+    text = SCRIPT.read_text()
+    assert not re.findall(r"\b[A-Za-z][\w.-]*==\d", text)
+    names = [name for group in ("WHEEL_NAMES", "SDIST_NAMES")
+             for name in re.search(rf"^{group}=\(([^)]*)\)", text, re.M)[1].split()]
+    assert {"transformers", "tokenizers", "gunicorn-h1c"} <= set(names)
+    for name in names:
+        assert importlib.metadata.version(name)
