@@ -61,14 +61,16 @@ def test_a_list_of_prompts_answers_one_choice_each_in_order(server) -> None:
 
 
 def test_chat_streams_sse_chunks_with_the_same_text_and_usage(server) -> None:
-    """Written by the engine's output thread, as every stream of these routes is."""
+    """Written by the engine's output thread, as every stream of these routes is (a stream
+    long enough not to end before its first line is written: that one the request thread
+    writes, rightly)."""
     api = client(server)
     by_output_thread = 'batchyard_streamed_requests_total{writer="output_thread"}'
     before = server[0].metric(by_output_thread)
-    whole = api.chat.completions.create(model=server[1], messages=CHAT, **GREEDY)
+    long = {**GREEDY, "max_tokens": 48}
+    whole = api.chat.completions.create(model=server[1], messages=CHAT, **long)
     chunks = list(api.chat.completions.create(model=server[1], messages=CHAT, stream=True,
-                                              stream_options={"include_usage": True},
-                                              **GREEDY))
+                                              stream_options={"include_usage": True}, **long))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content and text
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
@@ -102,8 +104,8 @@ def test_n_choices_seeded_apart_and_counted_once_per_prompt(server) -> None:
     """n sampled choices of one prompt: choice i draws with seed + i, so they differ from each
     other and repeat exactly; the prompt's tokens count once in usage."""
     api = client(server)
-    asked = {"model": server[1], "max_tokens": 8, "temperature": 0.8, "seed": 11, "n": 3,
-             "extra_body": {"ignore_eos": True}}
+    asked = {"model": server[1], "max_tokens": 24, "temperature": 0.8, "seed": 11, "n": 3,
+             "extra_body": {"ignore_eos": True}}  # a stream that outlasts its first write
     first = api.chat.completions.create(messages=CHAT, **asked)
     again = api.chat.completions.create(messages=CHAT, **asked)
     texts = [c.message.content for c in first.choices]
@@ -111,10 +113,10 @@ def test_n_choices_seeded_apart_and_counted_once_per_prompt(server) -> None:
     assert texts == [c.message.content for c in again.choices]
     single = api.chat.completions.create(messages=CHAT, **{**asked, "n": 1})
     assert first.usage.prompt_tokens == single.usage.prompt_tokens
-    assert first.usage.completion_tokens == 3 * 8
+    assert first.usage.completion_tokens == 3 * 24
     batch = api.completions.create(prompt=["Once upon a time", "The capital of"], **asked)
     assert [c.index for c in batch.choices] == list(range(6))
-    assert batch.usage.completion_tokens == 6 * 8
+    assert batch.usage.completion_tokens == 6 * 24
     top_seed = api.chat.completions.create(messages=CHAT, **{**asked, "seed": 2**63 - 1})
     assert len(top_seed.choices) == 3  # seed + i wraps around within the seeds' range
     by_output_thread = 'batchyard_streamed_requests_total{writer="output_thread"}'
