@@ -71,8 +71,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._last_batch: ScheduledBatch | None = None
         self._preemptions_reported = 0  # by last_step_stats, which reports the new ones
-        self._step_seconds = 0.0  # all steps' time, and their sequences summed: the gauges'
-        self._sequence_steps = 0  # mean step cost per sequence
+        self._step_seconds = 0.0  # every step's time, and its sequences, summed for the gauges
+        self._sequence_steps = 0
         self.phases: PhaseClock = NoPhases()
         self.output_processor = OutputProcessor(tokenizer)
         self._guided: GuidedDecoding | None = None  # see `guided`
@@ -311,10 +311,11 @@ class LLMEngine:
         batch, allocator = self._last_batch, self.scheduler.allocator
         preempted = self.scheduler.num_preemptions - self._preemptions_reported
         self._preemptions_reported = self.scheduler.num_preemptions
+        num_seqs = len(batch.seqs) if batch else 0
         self._step_seconds += seconds
-        self._sequence_steps += len(batch.seqs) if batch else 0
+        self._sequence_steps += num_seqs
         return StepStats(
-            num_seqs=len(batch.seqs) if batch else 0,
+            num_seqs=num_seqs,
             num_prefill_tokens=batch.num_prefill_tokens if batch else 0,
             num_decode_tokens=batch.num_decode_tokens if batch else 0,
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
