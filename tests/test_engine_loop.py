@@ -309,14 +309,15 @@ def test_streams_that_start_or_end_in_a_delivery_are_written_first(model_dir) ->
     assert queued == {"mid": [5, 6], "first": [1, 2], "last": [9], "mid2": [2]}
 
 
-def _run_core(engine: LLMEngine, inbox: list[list]) -> list[CoreUpdate | None]:
-    """EngineCore over a scripted inbox: the next list of messages each time it receives with
-    no request left unfinished (none while it has work), then StopCore. Every update it
-    publishes, in order."""
+def _run_core(engine: LLMEngine, inbox: list[list],
+              when_idle: bool = True) -> list[CoreUpdate | None]:
+    """EngineCore over a scripted inbox: the next list of messages at each receive (with
+    `when_idle`, only once no request is left unfinished; none while it has work), then
+    StopCore. Every update it publishes, in order."""
     script, published = iter(inbox), []
 
     def receive(timeout: float | None) -> list:
-        return [] if engine.has_unfinished() else next(script, [StopCore()])
+        return [] if when_idle and engine.has_unfinished() else next(script, [StopCore()])
     EngineCore(engine, receive, published.append).run()
     return published
 
@@ -333,9 +334,7 @@ def test_the_core_publishes_one_update_per_step_not_one_more_per_arrival(engine)
 
 def test_a_core_that_cannot_step_yet_still_shows_the_arrival_in_its_gauges(model_dir) -> None:
     waiting = make_engine(model_dir, "dynamic", max_batch_delay_ms=60_000.0)
-    script = iter([[AddRequest("a", request(greedy(3)))]])
-    published: list[CoreUpdate | None] = []
-    EngineCore(waiting, lambda timeout: next(script, [StopCore()]), published.append).run()
+    published = _run_core(waiting, [[AddRequest("a", request(greedy(3)))]], when_idle=False)
     first, *_, last_error, end = published
     assert first.stats is None and first.outputs == [] and first.gauges.num_waiting == 1
     assert last_error.outputs[0].finish_reason is not None and end is None  # stopped
