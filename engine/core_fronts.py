@@ -11,10 +11,10 @@ import logging
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener, Pipe, wait
+from multiprocessing.connection import Connection, Listener, Pipe
 
 from engine.core import CoreUpdate
-from engine.core_process import CoreFailed, CoreReady, FrontReading, send_message
+from engine.core_process import CoreFailed, CoreReady, FrontReading, Readiness, send_message
 from engine.inputs import AbortRequest, AddRequest, StopCore
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class Fronts:
         self._hello: CoreReady | CoreFailed | None = None  # once the model loaded or failed
         self._wake_reader, self._wake_writer = Pipe(duplex=False)
         self._fronts: list[Connection] = []
+        self._ready = Readiness(self._wake_reader)  # and every front, while it is connected
         self._reading: list[Connection] = []  # those that said FrontReading: updates go there
         self._owner: dict[str, Connection] = {}  # request id -> the front that sent it
         self._had_front = False
@@ -68,6 +69,7 @@ class Fronts:
                 conn.close()
                 continue
             self._fronts.append(conn)
+            self._ready.add(conn)
             self._had_front = True
             logger.info("a serving process connected (%d now)", len(self._fronts))
 
@@ -75,7 +77,7 @@ class Fronts:
 
     def receive(self, timeout: float | None) -> list:
         messages: list = []
-        for conn in wait([*self._fronts, self._wake_reader], 0 if timeout is None else timeout):
+        for conn in self._ready.ready(0 if timeout is None else timeout):
             if conn is self._wake_reader:
                 while self._wake_reader.poll(0):
                     self._wake_reader.recv()
@@ -89,8 +91,10 @@ class Fronts:
     def _read(self, conn: Connection) -> list:
         messages = []
         try:
-            while conn.poll(0):
+            readable = True  # receive() found it so: a message at least, or its end
+            while readable:
                 message = conn.recv()
+                readable = conn in self._ready.ready()
                 if isinstance(message, StopCore):  # this front shuts down
                     return messages + self._leave(conn, goodbye=True)
                 if isinstance(message, FrontReading):
@@ -106,6 +110,7 @@ class Fronts:
     def _leave(self, conn: Connection, goodbye: bool) -> list[AbortRequest]:
         """Forget a front; what it still had running is aborted (nobody would read it)."""
         self._fronts.remove(conn)
+        self._ready.remove(conn)
         if conn in self._reading:
             self._reading.remove(conn)
         orphans = [rid for rid, owner in self._owner.items() if owner is conn]

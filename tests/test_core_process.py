@@ -24,6 +24,7 @@ from engine import (
     SamplingParams,
 )
 from engine.core import CoreUpdate
+from engine.core_process import Readiness
 from engine.heap import freeze_start_up_heap
 from engine.output_processor import StepOutput
 from engine.outputs import Gauges, StepStats
@@ -170,3 +171,30 @@ def test_a_core_update_crosses_the_pipe_as_it_was_sent(outputs, stats) -> None:
     back = pickle.loads(ForkingPickler.dumps(update))
     assert back == update
     assert all(type(out) is StepOutput for out in back.outputs)
+
+
+def test_readiness_names_the_connections_with_a_message_or_an_end() -> None:
+    """The core's and the output thread's one poll object: a message, or a peer gone (read as
+    EOF), is readable; an idle connection is not, and a wait for it times out."""
+    idle_reader, idle_writer = multiprocessing.Pipe(duplex=False)
+    busy_reader, busy_writer = multiprocessing.Pipe(duplex=False)
+    gone_reader, gone_writer = multiprocessing.Pipe(duplex=False)
+    ready = Readiness(idle_reader, busy_reader)
+    assert ready.ready() == []
+    start = time.monotonic()
+    assert ready.ready(0.05) == []
+    assert time.monotonic() - start >= 0.04
+    busy_writer.send("hello")
+    assert ready.ready() == [busy_reader]
+    assert busy_reader.recv() == "hello"
+    assert ready.ready() == []
+    ready.add(gone_reader)
+    gone_writer.close()
+    assert ready.ready(1.0) == [gone_reader]
+    with pytest.raises(EOFError):
+        gone_reader.recv()
+    ready.remove(gone_reader)
+    gone_reader.close()
+    assert ready.ready() == []
+    for conn in (idle_reader, idle_writer, busy_reader, busy_writer):
+        conn.close()
