@@ -98,7 +98,7 @@ class EngineCore:
             timeout: float | None = None
             while not self._stopping:
                 self._apply(self._receive(timeout))
-                self._expire(time.monotonic())
+                self._expire()
                 self.engine.check_health()
                 timeout = self._step_once()
         except WorkerLost as err:  # the ranks are out of step: no later step can be trusted
@@ -162,7 +162,10 @@ class EngineCore:
         elif messages and not self._stopping:  # the next update counts them: one per step
             self._gauges_unsent = True
 
-    def _expire(self, now: float) -> None:
+    def _expire(self) -> None:
+        if not self._deadlines:  # streams have none: nothing to read the clock for
+            return
+        now = time.monotonic()
         expired = [rid for rid, t in self._deadlines.items() if t <= now]
         self._send([out for rid in expired
                     for out in self._abort(rid, FinishReason.TIMEOUT, "predict_timeout exceeded")],
@@ -178,9 +181,10 @@ class EngineCore:
               force: bool = True) -> None:
         if not (outputs or stats or force):
             return
-        for out in outputs:
-            if out.finish_reason is not None:
-                self._deadlines.pop(out.request_id, None)
+        if self._deadlines:
+            for out in outputs:
+                if out.finish_reason is not None:
+                    self._deadlines.pop(out.request_id, None)
         self._gauges_unsent = False
         self._publish(CoreUpdate(outputs, self.engine.gauges(), stats))
 
