@@ -3,7 +3,9 @@ the body read until the server closes. It needs ~13 % of a vCPU for 32 streams w
 `batchyard bench load` (requests, a thread per client, every line parsed) needs 60-70 %, so
 on a 2-vCPU host it leaves the server its CPU. Prints req/s, mean time to the first token's
 bytes (read until the first `"token"` arrives, not only the first byte: a server may send its
-headers first) and mean first token -> end.
+headers first) and mean first token -> end. `--wake-at-end`: after the first token the client
+is woken only by the end of the body (it still reads all of it), about what clients on other
+machines cost this host (docs/benchmark/cpu-2026-11-27-core-pipes/).
 
     python docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py --port 8080 \
         --model-dir /tmp/tiny320 -n 960
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import statistics
 import time
 
@@ -21,8 +24,13 @@ from transformers import AutoTokenizer
 
 from benchmark.workloads import Lengths, synthetic_jobs
 
+# SO_RCVLOWAT for --wake-at-end: more than any body here, under half the receive buffer (the
+# kernel caps it there); the server's FIN wakes the reader whatever the low mark.
+WAKE_AT_END_BYTES = 1 << 15
 
-async def one(port: int, body: bytes, times: list[tuple[float, float]]) -> int:
+
+async def one(port: int, body: bytes, times: list[tuple[float, float]],
+              wake_at_end: bool = False) -> int:
     start = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -35,13 +43,16 @@ async def one(port: int, body: bytes, times: list[tuple[float, float]]) -> int:
             break
         data += more
     first_at = time.perf_counter()
+    if wake_at_end:  # woken by the end of the body only (its FIN), not by every token's bytes
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT,
+                                                   WAKE_AT_END_BYTES)
     data += await reader.read()
     writer.close()
     times.append((first_at - start, time.perf_counter() - first_at))
     return data.count(b'"token"')
 
 
-async def run(port: int, bodies: list[bytes], clients: int) -> None:
+async def run(port: int, bodies: list[bytes], clients: int, wake_at_end: bool) -> None:
     times: list[tuple[float, float]] = []
     await asyncio.gather(*[one(port, b, []) for b in bodies[:clients]])  # warm-up, not timed
     todo = iter(bodies[clients:])
@@ -49,7 +60,7 @@ async def run(port: int, bodies: list[bytes], clients: int) -> None:
 
     async def client() -> None:
         for body in todo:
-            counts.append(await one(port, body, times))
+            counts.append(await one(port, body, times, wake_at_end))
     start = time.perf_counter()
     await asyncio.gather(*[client() for _ in range(clients)])
     elapsed = time.perf_counter() - start
@@ -66,12 +77,15 @@ def main() -> None:
     parser.add_argument("-c", type=int, default=32)
     parser.add_argument("--prompt-tokens", default="24")
     parser.add_argument("--output-tokens", default="64")
+    parser.add_argument("--wake-at-end", action="store_true",
+                        help="after the first token, be woken only by the end of the body "
+                        "(SO_RCVLOWAT): about the CPU of clients on other machines")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     jobs = synthetic_jobs(args.n + args.c, Lengths.parse(args.prompt_tokens, "prompt"),
                           Lengths.parse(args.output_tokens, "output"), 0, tokenizer)
     bodies = [json.dumps(job.body(stream=True)).encode() for job in jobs]
-    asyncio.run(run(args.port, bodies, args.c))
+    asyncio.run(run(args.port, bodies, args.c, args.wake_at_end))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ with this machine's speed.
 
     python docs/benchmark/cpu-2026-11-26-direct-streams/measure.py PORT [N [CLIENTS]]
 
-MODEL in the environment (default /tmp/tiny320) is the model whose tokenizer the client uses.
+MODEL in the environment (default /tmp/tiny320) is the model whose tokenizer the client uses;
+CLIENT_ARGS, more arguments for raw_client.py (e.g. --wake-at-end).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import urllib.request
 
 MODEL = os.environ.get("MODEL", "/tmp/tiny320")
+CLIENT_ARGS = os.environ.get("CLIENT_ARGS", "").split()  # e.g. --wake-at-end
 CLIENT = "docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py"
 TICK = os.sysconf("SC_CLK_TCK")
 STEP_FACTS = ("batchyard_step_seconds_sum", "batchyard_step_seconds_count",
@@ -52,7 +54,7 @@ def main() -> None:
     clients = sys.argv[3] if len(sys.argv) > 3 else "32"
     (http0, core0), facts0 = cpu_seconds(port), step_facts(port)
     run = subprocess.run([sys.executable, CLIENT, "--port", str(port), "--model-dir",
-                          MODEL, "-n", n, "-c", clients],
+                          MODEL, "-n", n, "-c", clients, *CLIENT_ARGS],
                          capture_output=True, text=True, check=True)
     (http1, core1), facts1 = cpu_seconds(port), step_facts(port)
     d = {name: facts1[name] - facts0[name] for name in STEP_FACTS}
