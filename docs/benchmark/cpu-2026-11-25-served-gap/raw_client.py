@@ -1,7 +1,8 @@
 """A closed loop of C streaming clients on asyncio streams: one HTTP/1.1 request per connection,
-the body read until the server closes. It needs ~13 % of a vCPU for 32 streams where
+the body read until the server closes. It needs ~13 % of a vCPU for 32 streams (~20 % at ~600
+req/s on the AVX-512 host, docs/benchmark/cpu-2026-11-27-core-pipes/) where
 `batchyard bench load` (requests, a thread per client, every line parsed) needs 60-70 %, so
-on a 2-vCPU host it leaves the server its CPU. Prints req/s, mean time to the first token's
+on a 2-vCPU host it leaves the server most of its CPU. Prints req/s, mean time to the first token's
 bytes (read until the first `"token"` arrives, not only the first byte: a server may send its
 headers first) and mean first token -> end. `--wake-at-end`: after the first token the client
 is woken only by the end of the body (it still reads all of it), about what clients on other
