@@ -39,26 +39,28 @@ logger = logging.getLogger(__name__)
 MAX_PADDED_TOKENS = 2**17
 
 
-# Token rows a padded step keeps for prompts beside a full decode batch, at the least. Served
-# arrivals come in bursts: with 32 sequences, 5 % of steps held 65-96 rows (24-token prompts,
-# 32 clients), which past a 64-row cap ran eagerly at 11-20 ms instead of a ~3.5 ms graph (1B,
-# H200).
-MIN_PROMPT_ROWS = 64
+# Most token rows a padded step covers (vLLM's largest capture size). Every step the token
+# budget allows is graphed up to it: with requests waiting, streams that finish in the same step
+# are replaced in the next one, so a full batch's steps carry 3 or more 24-token prompts beside
+# it; past a 96-row cap 6-7 % of them ran eagerly at 11-20 ms instead of a ~3.5 ms graph, and
+# served req/s at 40 clients fell to 0.83-0.87x offline (1B, H100, 2026-11-27).
+MAX_GRAPH_ROWS = 512
 
 
 def graph_rows(max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """The largest padded step, in token rows: every decode batch, and room for short prompts
-    or a prompt's chunk beside a full one (max_num_seqs or MIN_PROMPT_ROWS rows, whichever is
-    more; at most 512 in all); steps with more tokens run eagerly. Graph count and capture time
-    grow with it."""
-    room = max(max_num_seqs, MIN_PROMPT_ROWS)
-    return max(max_num_seqs, min(max_num_seqs + room, 512, max_num_batched_tokens))
+    """The largest padded step, in token rows: every decode batch, and every step of prompt
+    tokens the budget allows, up to MAX_GRAPH_ROWS; steps with more tokens run eagerly. Graph
+    count and capture time grow with it (batch_buckets thins out past 128 rows)."""
+    return max(max_num_seqs, min(max_num_batched_tokens, MAX_GRAPH_ROWS))
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, 16, 32, 48, 64, ... up to max_batch (which is always the last bucket)."""
+    """1, 2, 4, 8, 16, 32, then every 16 rows to 128, every 32 to 256 and every 64 beyond, up
+    to max_batch (which is always the last bucket): past 128 rows a bucket pads a step by at
+    most a quarter."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch]
-    sizes += list(range(48, max_batch, 16))
+    for start, stop, stride in ((48, 128, 16), (160, 256, 32), (320, max_batch, 64)):
+        sizes += [b for b in range(start, stop + 1, stride) if b < max_batch]
     return [*sizes, max_batch]
 
 

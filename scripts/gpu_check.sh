@@ -30,7 +30,8 @@
 # CHECKS=ratio: #17's served/offline ratio where the host has cores to spare: the tiny model on
 # CPU, offline and served on cores 0-1 with the load generator on cores 2-3 and then on 0-1 too
 # (~4.5 min on the H200 machine of 11-26); then the first preset on the GPU, offline and served
-# at 32 and 40 clients (~4 min). Alone in a call with timeout_s 600 (OFFLINE_ROUNDS=1 saves 50 s).
+# at 32 and 40 clients (~4 min). Alone in a call with timeout_s 600 (OFFLINE_ROUNDS=1 saves 50 s;
+# RATIO_CPU=0 skips the CPU part, GPU_CLIENTS picks the GPU rounds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
@@ -239,15 +240,18 @@ ratio_offline() {  # ratio_offline NAME MODEL PROPERTIES DTYPE CPUS N ROUNDS
 }
 if want ratio; then  # #17's served/offline ratio (24 + 64 tokens, 32 clients) off a full host
     R=docs/benchmark/cpu-2026-11-26-direct-streams
-    step tiny-model 60 "$PY" -c "from pathlib import Path; from tests.models_fixtures import \
-build_tiny_model; build_tiny_model(Path('/tmp/tiny320'))"
-    # The CPU target's run (device=cpu: auto would take the GPU): the server on 2 cores, the
-    # load generator on 2 others and then on the server's
-    props=/tmp/gpu-check-ratio-cpu.properties
-    { cat "$R/paged.properties"; echo "option.device=cpu"; } > "$props"
-    ratio_offline cpu-offline /tmp/tiny320 "$props" float32 0,1 2560 2
-    ratio_served cpu-served-client-off-its-cores /tmp/tiny320 "$props" 0,1 2,3 2560 "32 32 32"
-    ratio_served cpu-served-client-on-its-cores /tmp/tiny320 "$props" 0,1 0,1 2560 "32 32"
+    if [ "${RATIO_CPU:-1}" = 1 ]; then  # RATIO_CPU=0: the GPU part alone (~4 min)
+        step tiny-model 60 "$PY" -c "from pathlib import Path; from tests.models_fixtures \
+import build_tiny_model; build_tiny_model(Path('/tmp/tiny320'))"
+        # The CPU target's run (device=cpu: auto would take the GPU): the server on 2 cores,
+        # the load generator on 2 others and then on the server's
+        props=/tmp/gpu-check-ratio-cpu.properties
+        { cat "$R/paged.properties"; echo "option.device=cpu"; } > "$props"
+        ratio_offline cpu-offline /tmp/tiny320 "$props" float32 0,1 2560 2
+        ratio_served cpu-served-client-off-its-cores /tmp/tiny320 "$props" 0,1 2,3 2560 \
+            "32 32 32"
+        ratio_served cpu-served-client-on-its-cores /tmp/tiny320 "$props" 0,1 0,1 2560 "32 32"
+    fi
     if [ "$DEVICE" != cpu ]; then  # the first preset on the GPU, the host's cores unpinned
         random_model "$first"
         props=/tmp/gpu-check-ratio-gpu.properties

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams, model_runner
 from engine.decode_graphs import (
-    MIN_PROMPT_ROWS,
     PaddedDecode,
     batch_buckets,
     graph_rows,
@@ -160,13 +159,13 @@ def test_prefix_cache_hits_and_preemption_recomputes_run_padded_as_plain(tiny) -
 
 
 def test_a_padded_step_computes_logits_of_its_sampled_rows_only(tiny) -> None:
-    """Up to max_num_seqs + MIN_PROMPT_ROWS token rows, but at most max_num_seqs rows of
-    logits (one per sequence): prompt rows cost no lm_head, and the graphs' logits buffer stays
-    that size."""
+    """Up to the step's token budget in token rows, but at most max_num_seqs rows of logits
+    (one per sequence): prompt rows cost no lm_head, and the graphs' logits buffer stays that
+    size."""
     path, prompts, new_tokens, refs = tiny
     engine, calls = padded_engine(path, "paged", max_num_seqs=2)
     padded = engine.runner.padded_decode
-    assert padded.batch_buckets[-1] == 2 + MIN_PROMPT_ROWS and padded.max_sampled == 2
+    assert padded.batch_buckets[-1] == 2 * MAX_MODEL_LEN and padded.max_sampled == 2
     with torch.no_grad():
         assert padded.forward(4, 1).shape[0] == 2
     reqs = [Req("r0", prompts[0], greedy(new_tokens[0]), 0),  # 1 token
@@ -260,13 +259,17 @@ def test_step_stats_say_which_steps_replayed_a_graph(tiny) -> None:
     assert not engine.last_step_stats(0.001).graph
 
 
-def test_graphs_leave_room_for_a_burst_of_short_prompts_beside_a_full_batch() -> None:
-    """32 sequences: 96 rows (a 64-row cap ran 5 % of served steps eagerly); more sequences
-    keep as many prompt rows as sequences; the token budget and 512 bound it; never below
-    one decode row per sequence."""
-    assert graph_rows(32, 512) == 96 and graph_rows(2, 512) == 66
-    assert graph_rows(128, 8192) == 256 and graph_rows(300, 8192) == 512
+def test_graphs_cover_every_step_the_token_budget_allows_up_to_512_rows() -> None:
+    """With requests waiting, a full batch's step carries as many prompt tokens as the budget
+    allows (a 96-row cap ran 6-7 % of served steps eagerly at 40 clients); 512 rows at most,
+    never below one decode row per sequence."""
+    assert graph_rows(32, 512) == 512 and graph_rows(2, 512) == 512 and graph_rows(2, 66) == 66
+    assert graph_rows(128, 8192) == 512 and graph_rows(1024, 8192) == 1024
     assert graph_rows(32, 40) == 40 and graph_rows(32, 16) == 32
+    buckets = batch_buckets(512)
+    assert buckets[:12] == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert buckets[12:] == [160, 192, 224, 256, 320, 384, 448, 512]
+    assert all(b / a <= 1.25 for a, b in zip(buckets[11:-1], buckets[12:], strict=True))
 
 
 def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty(tiny) -> None:
