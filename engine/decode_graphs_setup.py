@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.decode_graphs import LOGIT_TOLERANCE, capture_cuda_graphs
+from engine.decode_graphs import LOGIT_TOLERANCE, PaddedDecode, capture_cuda_graphs
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.base import ScheduledBatch
@@ -35,11 +35,10 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     if enforce_eager:
         logger.info("CUDA graphs off (option.enforce_eager=true): every step runs eagerly")
         return False
-    padded = runner.enable_padded_decode(max_rows, max_model_len, prompt_rows, max_seqs)
     started = time.monotonic()
     try:
-        count = capture_cuda_graphs(padded, runner.spec.vocab_size)
-        error = check_padded_decode(runner)
+        padded, count, error = capture_within_memory(runner, max_rows, max_model_len,
+                                                     prompt_rows, max_seqs)
     except Exception as err:  # capture unsupported here, or the graphs disagree with eager
         logger.warning("CUDA graphs are off, every step runs eagerly: %s", err)
         runner.padded_decode = None
@@ -50,6 +49,36 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
                 padded.batch_buckets, padded.width_buckets[-1], padded.page_size,
                 time.monotonic() - started, error)
     return True
+
+
+def capture_within_memory(runner: ModelRunner, max_rows: int, max_model_len: int,
+                          prompt_rows: bool, max_seqs: int | None
+                          ) -> tuple[PaddedDecode, int, float]:
+    """Capture and check the graphs of steps up to `max_rows` tokens; where the device runs out
+    of memory, try half as many rows, down to the decode batch (the graphs of longer steps
+    share a pool sized by the largest), and say so. → (padded, graph count, logit error)."""
+    floor = min(max_rows, max_seqs or max_rows)
+    rows = max_rows
+    while True:
+        padded = runner.enable_padded_decode(rows, max_model_len, prompt_rows, max_seqs)
+        try:
+            return padded, capture_cuda_graphs(padded, runner.spec.vocab_size), \
+                check_padded_decode(runner)
+        except torch.OutOfMemoryError as err:
+            if rows <= floor:
+                runner.padded_decode = None
+                raise
+            reason = str(err).splitlines()[0]
+        # here, past the except block, the error's frames no longer hold the graphs
+        runner.padded_decode = None
+        del padded
+        runner.kv_cache.zero_()
+        torch.cuda.empty_cache()  # the abandoned graphs' pool (a no-op where CUDA is unused)
+        fewer = max(floor, rows // 2)
+        logger.warning("CUDA graphs of steps up to %d tokens ran out of GPU memory (%s); trying "
+                       "%d: longer steps will run eagerly (a lower option.gpu_memory_utilization "
+                       "keeps them)", rows, reason, fewer)
+        rows = fewer
 
 
 def check_padded_decode(runner: ModelRunner) -> float:

@@ -4,6 +4,7 @@ CUDA graphs replay, run eagerly here and compared with the plain path (#17 item 
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import pytest
@@ -11,14 +12,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from engine import SamplingParams, model_runner
+from engine import SamplingParams, decode_graphs_setup, model_runner
 from engine.decode_graphs import (
     PaddedDecode,
     batch_buckets,
     graph_rows,
     width_buckets,
 )
-from engine.decode_graphs_setup import check_padded_decode, prepare_decode_graphs
+from engine.decode_graphs_setup import (
+    capture_within_memory,
+    check_padded_decode,
+    prepare_decode_graphs,
+)
 from engine.kv.layout import shared_layout
 from engine.step_plan import token_rows
 from tests.engine_harness import (
@@ -291,6 +296,36 @@ def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty
     padded.forward = lambda b, w: broken(b, w) + 1.0  # a graph that disagrees
     with pytest.raises(AssertionError, match="padded decode differs from eager"):
         check_padded_decode(runner)
+
+
+def test_graphs_that_run_out_of_memory_are_captured_again_for_half_the_rows(
+        tiny, monkeypatch, caplog) -> None:
+    """Where the graphs of steps up to N rows run out of GPU memory, N / 2 are tried, down to
+    the decode batch, each checked against eager; past that the error turns graphs off."""
+    path, _, _, _ = tiny
+    runner = make_engine(path, "paged").runner
+    tried = []
+
+    def capture(padded, vocab_size, limit):
+        tried.append(padded.batch_buckets[-1])
+        if padded.batch_buckets[-1] > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+        return len(padded.all_buckets())
+
+    monkeypatch.setattr(decode_graphs_setup, "capture_cuda_graphs",
+                        lambda padded, vocab: capture(padded, vocab, 16))
+    with caplog.at_level(logging.WARNING, logger="engine.decode_graphs_setup"):
+        padded, count, error = capture_within_memory(runner, 64, MAX_MODEL_LEN, True, 4)
+    assert tried == [64, 32, 16] and padded.batch_buckets[-1] == 16
+    assert runner.padded_decode is padded and count == len(padded.all_buckets()) and error < 1e-3
+    assert "steps up to 64 tokens ran out of GPU memory (CUDA out of memory. Tried to allocate " \
+           "2.00 GiB); trying 32" in caplog.text and not runner.kv_cache.any()
+    tried.clear()
+    monkeypatch.setattr(decode_graphs_setup, "capture_cuda_graphs",
+                        lambda padded, vocab: capture(padded, vocab, 0))
+    with pytest.raises(torch.OutOfMemoryError):
+        capture_within_memory(runner, 64, MAX_MODEL_LEN, True, 4)
+    assert tried == [64, 32, 16, 8, 4] and runner.padded_decode is None
 
 
 def test_the_start_up_check_catches_chunk_rows_that_miss_each_other(tiny, monkeypatch) -> None:
