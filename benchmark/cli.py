@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--async-scheduling", choices=("auto", "true", "false"),
                          default="auto", help="plan step n+1 while step n computes (auto: on "
                          "CUDA); the phase split syncs at every phase, so compare 'step ms'")
+    profile.add_argument("--prompt-tokens", type=int,
+                         help="random-word prompts of this many tokens instead of the LMI "
+                         "study's (longer contexts: what a CUDA graph's KV gather costs)")
+    profile.add_argument("--enforce-eager", action="store_true",
+                         help="no CUDA graphs: every step eager (compare with graphs)")
     profile.add_argument("--out", type=Path, help="write profile.json and profile.md here")
 
     random_model = sub.add_parser("random-model", help="a random-weight Llama folder (e.g. 1B "
@@ -305,11 +310,14 @@ def _profile(args: argparse.Namespace) -> int:
     if not sizes or min(sizes) < 1 or args.steps < 1 or args.warmup < 0:
         raise ValueError("--batch-sizes must list integers >= 1, --steps must be >= 1 and "
                          "--warmup >= 0")
+    if args.prompt_tokens is not None and args.prompt_tokens < 2:
+        raise ValueError(f"--prompt-tokens must be >= 2, got {args.prompt_tokens}")
     run = run_profile(args.model_dir or ensure_default_model(), sizes, args.steps, args.warmup,
                       args.strategy, args.dtype, args.device,
                       tensor_parallel=args.tensor_parallel,
                       async_scheduling={"auto": None, "true": True, "false": False}[
-                          args.async_scheduling])
+                          args.async_scheduling],
+                      prompt_tokens=args.prompt_tokens, enforce_eager=args.enforce_eager)
     print(run.table())
     if args.out:
         run.save(args.out)

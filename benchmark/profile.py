@@ -7,6 +7,8 @@ each phase owns its device work: that gives the split. Once without, as served: 
 step time, and on CUDA the device-busy time per step (torch.profiler's kernel time), whose
 ratio to the step is how host-bound the step is. Then "mixed" steps: one new prompt admitted
 beside the batch's decodes, the step continuous and paged batching take at every arrival.
+Each row says what share of its steps replayed a CUDA graph; with `prompt_tokens` (a synthetic
+prompt of that length) and `enforce_eager`, graphs and eager steps compare at long contexts.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from benchmark.workloads import LMI_WORKLOAD
+from benchmark.workloads import LMI_WORKLOAD, Lengths, synthetic_jobs
 from engine.phases import PHASES, NoPhases, StepPhases
 
 
@@ -34,6 +36,7 @@ class StepProfile:
     device_busy_ms: float | None  # kernel time per step (CUDA only)
     # the kernels taking most device time: name, µs and launches per step (CUDA only)
     top_kernels: tuple[tuple[str, float, float], ...] = ()
+    graph_share: float = 0.0  # of the phase-split steps, those that replayed a CUDA graph
 
     @property
     def host_us_per_seq(self) -> float:
@@ -58,16 +61,18 @@ class ProfileRun:
     rows: list[StepProfile]
     tensor_parallel: int = 1
     async_scheduling: bool = False
+    enforce_eager: bool = False
 
     def table(self) -> str:
         head = ["step", "batch", "tokens", "step ms", *(f"{p} ms" for p in PHASES),
-                "host us/seq", "core us/seq", "device busy ms"]
+                "host us/seq", "core us/seq", "device busy ms", "graphs"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.rows:
             busy = "-" if r.device_busy_ms is None else f"{r.device_busy_ms:.3f}"
             cells = [r.kind, str(r.batch), str(r.tokens), f"{r.step_ms:.3f}",
                      *(f"{r.phases_ms.get(p, 0.0):.3f}" for p in PHASES),
-                     f"{r.host_us_per_seq:.1f}", f"{r.core_us_per_seq:.1f}", busy]
+                     f"{r.host_us_per_seq:.1f}", f"{r.core_us_per_seq:.1f}", busy,
+                     f"{100 * r.graph_share:.0f}%"]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
@@ -81,7 +86,8 @@ class ProfileRun:
             f"Step anatomy: {self.model} on {self.device} ({self.dtype}), strategy "
             f"{self.strategy}, {self.prompt_tokens}-token prompts, tensor parallel "
             f"{self.tensor_parallel}, asynchronous scheduling "
-            f"{'on' if self.async_scheduling else 'off'}; medians.\n\n"
+            f"{'on' if self.async_scheduling else 'off'}"
+            f"{', every step eager' if self.enforce_eager else ''}; medians.\n\n"
             + self.table() + "\n" + self.kernels())
 
     def kernels(self) -> str:
@@ -99,14 +105,20 @@ class ProfileRun:
 def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup: int = 3,
                 strategy: str = "paged", dtype: str = "auto", device: str = "auto",
                 prompt: str = LMI_WORKLOAD[1].prompt, tensor_parallel: int = 1,
-                async_scheduling: bool | None = None) -> ProfileRun:
-    """Profile prefill and decode steps at each batch size on one engine."""
+                async_scheduling: bool | None = None, prompt_tokens: int | None = None,
+                enforce_eager: bool = False) -> ProfileRun:
+    """Profile prefill and decode steps at each batch size on one engine; `prompt_tokens`
+    replaces `prompt` with random words of that many tokens."""
     from transformers import AutoTokenizer
 
     from engine import EngineConfig, LLMEngine
 
     new_tokens = warmup + 4 * steps + 2  # decode steps: both passes, the profiler's, the mixed
-    prompt_ids = AutoTokenizer.from_pretrained(model_dir, local_files_only=True).encode(prompt)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if prompt_tokens is not None:
+        prompt = synthetic_jobs(1, Lengths("fixed", prompt_tokens), Lengths("fixed", 1),
+                                tokenizer=tokenizer)[0].prompt
+    prompt_ids = tokenizer.encode(prompt)
     # Whole blocks per sequence, so the pool (max_num_seqs x max_model_len tokens) holds
     # every sequence at once: no preemption distorts the figures.
     block_size = 16
@@ -114,7 +126,7 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
     config = EngineConfig(model=str(model_dir), batching=strategy, dtype=dtype, device=device,
                           max_num_seqs=max(batch_sizes) + 1, max_model_len=max_model_len,
                           block_size=block_size, tensor_parallel_size=tensor_parallel,
-                          async_scheduling=async_scheduling)
+                          async_scheduling=async_scheduling, enforce_eager=enforce_eager)
     engine = LLMEngine.from_config(config)
     engine.guided.wait_built()  # its background build would slow the first steps measured
     rows: list[StepProfile] = []
@@ -125,7 +137,8 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
         engine.close()
     return ProfileRun(str(model_dir), str(engine.runner.device),
                       str(engine.runner.kv_cache.dtype).removeprefix("torch."), strategy,
-                      len(prompt_ids), rows, tensor_parallel, engine.async_scheduling)
+                      len(prompt_ids), rows, tensor_parallel, engine.async_scheduling,
+                      enforce_eager)
 
 
 def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, steps: int,
@@ -162,10 +175,12 @@ def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None]
             engine.add_request(f"mixed-{i}", prompt_ids, params)
             engine.step()
             batch = engine.last_batch
-            assert batch is not None and batch.num_prefill_tokens == len(prompt_ids), \
+            # all of the prompt, or under paged batching its first chunk where it is longer
+            # than the step's token budget
+            assert batch is not None and batch.num_prefill_tokens > 0, \
                 "the new prompt was not admitted beside the decodes"
             measured.append((batch.num_prefill_tokens + batch.num_decode_tokens,
-                             dict(phases.seconds)))
+                             {**phases.seconds, GRAPH: _replayed(engine)}))
             engine.abort(f"mixed-{i}")
     return measured
 
@@ -195,7 +210,7 @@ def _phase_steps(engine, sync: Callable[[], None] | None, *, is_prefill: bool,
             if (batch.num_prefill_tokens > 0) != is_prefill:
                 break
             measured.append((batch.num_prefill_tokens + batch.num_decode_tokens,
-                             dict(phases.seconds)))
+                             {**phases.seconds, GRAPH: _replayed(engine)}))
     return measured
 
 
@@ -241,13 +256,21 @@ def kernel_time(events, device_type, steps: int, top: int = 8
     return sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed
 
 
+GRAPH = "replayed a graph"  # beside the phases of a measured step: 1.0 or 0.0
+
+
+def _replayed(engine) -> float:
+    return float(engine.runner.last_step_graph)
+
+
 def _row(kind: str, batch: int, measured: list[tuple[int, dict[str, float]]],
          step_ms: float | None, busy_ms: float | None) -> StepProfile:
     phases_ms = {p: 1000 * statistics.median(s.get(p, 0.0) for _, s in measured)
                  for p in PHASES}
     wall = step_ms if step_ms is not None else sum(phases_ms.values())
+    graphs = statistics.fmean(s[GRAPH] for _, s in measured)
     return StepProfile(kind, batch, int(statistics.median(t for t, _ in measured)),
-                       len(measured), wall, phases_ms, busy_ms)
+                       len(measured), wall, phases_ms, busy_ms, graph_share=graphs)
 
 
 def _device_sync(device) -> Callable[[], None] | None:

@@ -31,7 +31,12 @@
 # CPU, offline and served on cores 0-1 with the load generator on cores 2-3 and then on 0-1 too
 # (~4.5 min on the H200 machine of 11-26); then the first preset on the GPU, offline and served
 # at 32 and 40 clients (~4 min). Alone in a call with timeout_s 600 (OFFLINE_ROUNDS=1 saves 50 s;
-# RATIO_CPU=0 skips the CPU part, GPU_CLIENTS picks the GPU rounds).
+# RATIO_CPU=0 skips the CPU part, GPU_CLIENTS picks the GPU rounds; on an H100 on 11-27 the GPU
+# part alone took 218 s, 100 graphs captured in 9.2 s of a 33.5 s load).
+# CHECKS=wide: `bench profile` of the first preset with 200- and 1000-token prompts (decode
+# at batch 8 and 32 beside those contexts, and a prompt admitted beside them), graphs against
+# --enforce-eager (~2-3 min): whether a graph whose attention gathers rows x context of KV
+# beats the eager step there (steps up to 512 rows replay graphs since 9cd79d2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
@@ -178,6 +183,24 @@ if want served; then
     random_model "$first"
     served "$model" 1
     served "$model" 2
+fi
+if want wide; then  # graphs against eager steps at longer contexts: the graphs' KV gather
+    random_model "$first"  # grows with rows x context, an eager step's attention does not
+    for tokens in ${WIDE_PROMPTS:-200 1000}; do
+        for eager in "" --enforce-eager; do
+            name=wide-$tokens${eager:+-eager}
+            step "$name" 150 "$PY" -m handler.cli bench profile --model-dir "$model" --device \
+                "$DEVICE" --dtype "$dtype" --batch-sizes 8,32 --prompt-tokens "$tokens" $eager \
+                --out "/tmp/gpu-check-wide/$name"
+            "$PY" - "/tmp/gpu-check-wide/$name/profile.json" "$name" >> "$OUT/summary.txt" \
+                2>> "$OUT/log.txt" <<'EOF'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"{sys.argv[2]}: {r['kind']} batch {r['batch']} tokens {r['tokens']} step "
+          f"{r['step_ms']:.2f} ms busy {r['device_busy_ms']} graphs {r['graph_share']:.0%}")
+EOF
+        done
+    done
 fi
 if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV budget for all
     random_model "$first"

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from benchmark import profile
 from benchmark.cli import main as bench_main
 from benchmark.profile import ProfileRun, StepProfile, kernel_time, run_profile
 from engine.phases import PHASES, StepPhases
@@ -74,9 +75,44 @@ def test_bench_profile_writes_its_table_and_json(model_dir, tmp_path, capsys, ah
     assert "host us/seq" in text and f"scheduling {'on' if ahead == 'true' else 'off'}" in text
 
 
+def test_profile_takes_a_synthetic_prompt_and_says_which_steps_replayed_a_graph(
+        model_dir, tmp_path, monkeypatch) -> None:
+    """--prompt-tokens: random words of exactly that many tokens; every row says what share of
+    its steps replayed a CUDA graph (none on CPU; a stand-in graph replays every other step)."""
+    replays = iter([1.0, 0.0] * 100)
+    monkeypatch.setattr(profile, "_replayed", lambda engine: next(replays))
+    run = run_profile(model_dir, [2], steps=2, warmup=0, dtype="float32", device="cpu",
+                      prompt_tokens=40, enforce_eager=True)
+    assert run.prompt_tokens == 40 and run.enforce_eager
+    decode = next(r for r in run.rows if r.kind == "decode")
+    assert decode.steps == 2 and decode.graph_share == 0.5
+    monkeypatch.undo()
+    assert bench_main(["profile", "--model-dir", str(model_dir), "--batch-sizes", "2",
+                       "--steps", "2", "--warmup", "0", "--dtype", "float32", "--device", "cpu",
+                       "--prompt-tokens", "30", "--enforce-eager", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert data["prompt_tokens"] == 30 and data["enforce_eager"] is True
+    assert all(r["graph_share"] == 0.0 for r in data["rows"])  # CPU: no graphs
+    text = (tmp_path / "profile.md").read_text()
+    assert "30-token prompts" in text and "every step eager" in text and "| graphs |" in text
+
+
+def test_a_prompt_longer_than_the_token_budget_is_profiled_by_its_first_chunk(tmp_path) -> None:
+    """Paged batching's 512-token step budget: the long prompt's mixed step is its first chunk
+    beside the decode (profiled, not refused)."""
+    path = build_tiny_model(tmp_path / "long", max_position_embeddings=1024)
+    run = run_profile(path, [1], steps=1, warmup=0, dtype="float32", device="cpu",
+                      prompt_tokens=600)
+    prefill, decode, mixed = run.rows
+    assert prefill.steps == 2 and prefill.tokens == (512 + 88) // 2  # median of the chunks
+    assert (decode.tokens, mixed.kind, mixed.tokens) == (1, "mixed", 512)
+
+
 def test_bench_profile_refuses_bad_batch_sizes(capsys) -> None:
     assert bench_main(["profile", "--batch-sizes", "0"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
+    assert bench_main(["profile", "--prompt-tokens", "1"]) == 2
+    assert "--prompt-tokens must be >= 2, got 1" in capsys.readouterr().err
 
 
 def test_a_cuda_profile_lists_the_largest_decode_batchs_kernels(tmp_path) -> None:
