@@ -42,8 +42,8 @@ MAX_PADDED_TOKENS = 2**17
 # Most token rows a padded step covers (vLLM's largest capture size). Every step the token
 # budget allows is graphed up to it: with requests waiting, streams that finish in the same step
 # are replaced in the next one, so a full batch's steps carry 3 or more 24-token prompts beside
-# it; past a 96-row cap 6-7 % of them ran eagerly at 11-20 ms instead of a ~3.5 ms graph, and
-# served req/s at 40 clients fell to 0.83-0.87x offline (1B, H100, 2026-11-27).
+# it; with a 96-row cap 6-7 % of the steps ran eagerly at 11-20 ms instead of a ~3 ms graph,
+# and served req/s at 40 clients fell to 0.83-0.87x offline (1B, H100, 2026-11-27).
 MAX_GRAPH_ROWS = 512
 
 
