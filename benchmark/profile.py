@@ -24,6 +24,8 @@ from pathlib import Path
 from benchmark.workloads import LMI_WORKLOAD, Lengths, synthetic_jobs
 from engine.phases import PHASES, NoPhases, StepPhases
 
+GRAPH = "replayed a graph"  # beside the phases of a measured step: 1.0 or 0.0
+
 
 @dataclass(frozen=True)
 class StepProfile:
@@ -256,13 +258,6 @@ def kernel_time(events, device_type, steps: int, top: int = 8
     return sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed
 
 
-GRAPH = "replayed a graph"  # beside the phases of a measured step: 1.0 or 0.0
-
-
-def _replayed(engine) -> float:
-    return float(engine.runner.last_step_graph)
-
-
 def _row(kind: str, batch: int, measured: list[tuple[int, dict[str, float]]],
          step_ms: float | None, busy_ms: float | None) -> StepProfile:
     phases_ms = {p: 1000 * statistics.median(s.get(p, 0.0) for _, s in measured)
@@ -271,6 +266,10 @@ def _row(kind: str, batch: int, measured: list[tuple[int, dict[str, float]]],
     graphs = statistics.fmean(s[GRAPH] for _, s in measured)
     return StepProfile(kind, batch, int(statistics.median(t for t, _ in measured)),
                        len(measured), wall, phases_ms, busy_ms, graph_share=graphs)
+
+
+def _replayed(engine) -> float:
+    return float(engine.runner.last_step_graph)
 
 
 def _device_sync(device) -> Callable[[], None] | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -19,11 +21,13 @@ logger = logging.getLogger(__name__)
 
 def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: int,
                           max_model_len: int, padded_on_cpu: bool = False,
-                          prompt_rows: bool = True, max_seqs: int | None = None) -> bool:
+                          prompt_rows: bool = True, max_seqs: int | None = None,
+                          shrink_on_oom: bool = True) -> bool:
     """CUDA graphs for steps of up to `max_rows` tokens (decodes, and prompt chunks as rows
     where `prompt_rows`; logits for up to `max_seqs` of them) unless `enforce_eager`; returns
     whether they are on. With `padded_on_cpu`, a CPU runs the same padded buckets without
-    graphs (CI's stand-in)."""
+    graphs (CI's stand-in). `shrink_on_oom=False` (tensor parallelism: every rank must pad a
+    step alike) turns graphs off where a smaller row cap would have been tried."""
     if runner.device.type != "cuda":
         if not padded_on_cpu or enforce_eager:
             return False
@@ -36,13 +40,16 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
         logger.info("CUDA graphs off (option.enforce_eager=true): every step runs eagerly")
         return False
     started = time.monotonic()
+    floor = None if shrink_on_oom else max_rows
     try:
-        padded, count, error = capture_within_memory(runner, max_rows, max_model_len,
-                                                     prompt_rows, max_seqs)
+        with _stream_restored():
+            padded, count, error = capture_within_memory(runner, max_rows, max_model_len,
+                                                         prompt_rows, max_seqs, floor)
     except Exception as err:  # capture unsupported here, or the graphs disagree with eager
         logger.warning("CUDA graphs are off, every step runs eagerly: %s", err)
         runner.padded_decode = None
         runner.kv_cache.zero_()
+        torch.cuda.empty_cache()  # the failed graphs' pool
         return False
     logger.info("CUDA graphs: %d step graphs (token-row buckets %s, up to %d pages of %d "
                 "tokens) captured and checked in %.1f s; max logit difference to eager %.3g", count,
@@ -52,18 +59,19 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
 
 
 def capture_within_memory(runner: ModelRunner, max_rows: int, max_model_len: int,
-                          prompt_rows: bool, max_seqs: int | None
+                          prompt_rows: bool, max_seqs: int | None, floor: int | None = None
                           ) -> tuple[PaddedDecode, int, float]:
     """Capture and check the graphs of steps up to `max_rows` tokens; where the device runs out
-    of memory, try half as many rows, down to the decode batch (the graphs of longer steps
-    share a pool sized by the largest), and say so. → (padded, graph count, logit error)."""
-    floor = min(max_rows, max_seqs or max_rows)
+    of memory, try half as many rows, down to `floor` (default: the decode batch), and say so.
+    Fewer rows mean smaller gathers only while rows x max_model_len stays under
+    MAX_PADDED_TOKENS. → (padded, graph count, logit error)."""
+    floor = floor or min(max_rows, max_seqs or max_rows)
     rows = max_rows
     while True:
         padded = runner.enable_padded_decode(rows, max_model_len, prompt_rows, max_seqs)
         try:
-            return padded, capture_cuda_graphs(padded, runner.spec.vocab_size), \
-                check_padded_decode(runner)
+            count = capture_cuda_graphs(padded, runner.spec.vocab_size)
+            return padded, count, check_padded_decode(runner)
         except torch.OutOfMemoryError as err:
             if rows <= floor:
                 runner.padded_decode = None
@@ -79,6 +87,18 @@ def capture_within_memory(runner: ModelRunner, max_rows: int, max_model_len: int
                        "%d: longer steps will run eagerly (a lower option.gpu_memory_utilization "
                        "keeps them)", rows, reason, fewer)
         rows = fewer
+
+
+@contextmanager
+def _stream_restored() -> Iterator[None]:
+    """torch.cuda.graph's exit leaves its capture stream current where ending the capture
+    fails: the steps after a failed capture must run on the stream they ran on before."""
+    stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        if stream is not None:
+            torch.cuda.set_stream(stream)
 
 
 def check_padded_decode(runner: ModelRunner) -> float:

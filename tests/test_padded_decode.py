@@ -301,7 +301,8 @@ def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty
 def test_graphs_that_run_out_of_memory_are_captured_again_for_half_the_rows(
         tiny, monkeypatch, caplog) -> None:
     """Where the graphs of steps up to N rows run out of GPU memory, N / 2 are tried, down to
-    the decode batch, each checked against eager; past that the error turns graphs off."""
+    the decode batch (under tensor parallelism not at all), each checked against eager; past
+    that the error turns graphs off."""
     path, _, _, _ = tiny
     runner = make_engine(path, "paged").runner
     tried = []
@@ -326,6 +327,10 @@ def test_graphs_that_run_out_of_memory_are_captured_again_for_half_the_rows(
     with pytest.raises(torch.OutOfMemoryError):
         capture_within_memory(runner, 64, MAX_MODEL_LEN, True, 4)
     assert tried == [64, 32, 16, 8, 4] and runner.padded_decode is None
+    tried.clear()  # tensor parallelism: every rank pads alike, so no rank shrinks on its own
+    with pytest.raises(torch.OutOfMemoryError):
+        capture_within_memory(runner, 64, MAX_MODEL_LEN, True, 4, floor=64)
+    assert tried == [64] and runner.padded_decode is None
 
 
 def test_the_start_up_check_catches_chunk_rows_that_miss_each_other(tiny, monkeypatch) -> None:

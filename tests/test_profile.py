@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,6 +80,8 @@ def test_profile_takes_a_synthetic_prompt_and_says_which_steps_replayed_a_graph(
         model_dir, tmp_path, monkeypatch) -> None:
     """--prompt-tokens: random words of exactly that many tokens; every row says what share of
     its steps replayed a CUDA graph (none on CPU; a stand-in graph replays every other step)."""
+    runner = SimpleNamespace(last_step_graph=True)  # what the model runner says of a step
+    assert profile._replayed(SimpleNamespace(runner=runner)) == 1.0
     replays = iter([1.0, 0.0] * 100)
     monkeypatch.setattr(profile, "_replayed", lambda engine: next(replays))
     run = run_profile(model_dir, [2], steps=2, warmup=0, dtype="float32", device="cpu",
