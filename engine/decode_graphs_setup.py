@@ -43,14 +43,17 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     floor = None if shrink_on_oom else max_rows
     try:
         with _stream_restored():
-            padded, count, error = capture_within_memory(runner, max_rows, max_model_len,
-                                                         prompt_rows, max_seqs, floor)
+            captured = capture_within_memory(runner, max_rows, max_model_len, prompt_rows,
+                                             max_seqs, floor)
     except Exception as err:  # capture unsupported here, or the graphs disagree with eager
         logger.warning("CUDA graphs are off, every step runs eagerly: %s", err)
+        captured = None
+    if captured is None:
         runner.padded_decode = None
         runner.kv_cache.zero_()
-        torch.cuda.empty_cache()  # the failed graphs' pool
+        torch.cuda.empty_cache()  # the failed graphs' pool, now that no traceback holds it
         return False
+    padded, count, error = captured
     logger.info("CUDA graphs: %d step graphs (token-row buckets %s, up to %d pages of %d "
                 "tokens) captured and checked in %.1f s; max logit difference to eager %.3g", count,
                 padded.batch_buckets, padded.width_buckets[-1], padded.page_size,
