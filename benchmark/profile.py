@@ -20,11 +20,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from benchmark.workloads import LMI_WORKLOAD, Lengths, synthetic_jobs
 from engine.phases import PHASES, NoPhases, StepPhases
 
-GRAPH = "replayed a graph"  # beside the phases of a measured step: 1.0 or 0.0
+
+class MeasuredStep(NamedTuple):
+    tokens: int  # computed by the step
+    seconds: dict[str, float]  # per phase
+    graph: bool  # whether it replayed a CUDA graph
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,7 @@ def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, s
 
 
 def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None] | None,
-                 count: int) -> list[tuple[int, dict[str, float]]]:
+                 count: int) -> list[MeasuredStep]:
     """The step continuous and paged batching take at each arrival: one new prompt beside the
     running decodes, `count` times (each new request is aborted after its step)."""
     measured = []
@@ -177,12 +182,14 @@ def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None]
             engine.add_request(f"mixed-{i}", prompt_ids, params)
             engine.step()
             batch = engine.last_batch
-            # all of the prompt, or under paged batching its first chunk where it is longer
-            # than the step's token budget
-            assert batch is not None and batch.num_prefill_tokens > 0, \
+            # all of the prompt, or under paged batching the chunk of it that fills the step's
+            # token budget
+            budget = getattr(engine.scheduler, "token_budget", None)
+            assert batch is not None and (
+                batch.num_prefill_tokens == len(prompt_ids)
+                or batch.num_prefill_tokens + batch.num_decode_tokens == budget), \
                 "the new prompt was not admitted beside the decodes"
-            measured.append((batch.num_prefill_tokens + batch.num_decode_tokens,
-                             {**phases.seconds, GRAPH: _replayed(engine)}))
+            measured.append(_measured(engine, phases))
             engine.abort(f"mixed-{i}")
     return measured
 
@@ -199,9 +206,9 @@ def _measuring(engine, sync: Callable[[], None] | None) -> Iterator[StepPhases]:
 
 
 def _phase_steps(engine, sync: Callable[[], None] | None, *, is_prefill: bool,
-                 count: int | None = None) -> list[tuple[int, dict[str, float]]]:
-    """(tokens, seconds per phase) of each step of the kind asked for, up to `count`; the
-    first step of the other kind ends it (and is not recorded)."""
+                 count: int | None = None) -> list[MeasuredStep]:
+    """Each step of the kind asked for, up to `count`; the first step of the other kind ends
+    it (and is not recorded)."""
     measured = []
     with _measuring(engine, sync) as phases:
         while count is None or len(measured) < count:
@@ -211,9 +218,15 @@ def _phase_steps(engine, sync: Callable[[], None] | None, *, is_prefill: bool,
                 continue
             if (batch.num_prefill_tokens > 0) != is_prefill:
                 break
-            measured.append((batch.num_prefill_tokens + batch.num_decode_tokens,
-                             {**phases.seconds, GRAPH: _replayed(engine)}))
+            measured.append(_measured(engine, phases))
     return measured
+
+
+def _measured(engine, phases: StepPhases) -> MeasuredStep:
+    """The engine's latest step as its phase clock and model runner saw it."""
+    batch = engine.last_batch
+    return MeasuredStep(batch.num_prefill_tokens + batch.num_decode_tokens, dict(phases.seconds),
+                        engine.runner.last_step_graph)
 
 
 def _served_step_ms(engine, sync: Callable[[], None] | None, steps: int) -> float:
@@ -258,18 +271,14 @@ def kernel_time(events, device_type, steps: int, top: int = 8
     return sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed
 
 
-def _row(kind: str, batch: int, measured: list[tuple[int, dict[str, float]]],
+def _row(kind: str, batch: int, measured: list[MeasuredStep],
          step_ms: float | None, busy_ms: float | None) -> StepProfile:
-    phases_ms = {p: 1000 * statistics.median(s.get(p, 0.0) for _, s in measured)
+    phases_ms = {p: 1000 * statistics.median(m.seconds.get(p, 0.0) for m in measured)
                  for p in PHASES}
     wall = step_ms if step_ms is not None else sum(phases_ms.values())
-    graphs = statistics.fmean(s[GRAPH] for _, s in measured)
-    return StepProfile(kind, batch, int(statistics.median(t for t, _ in measured)),
+    graphs = statistics.fmean(m.graph for m in measured)
+    return StepProfile(kind, batch, int(statistics.median(m.tokens for m in measured)),
                        len(measured), wall, phases_ms, busy_ms, graph_share=graphs)
-
-
-def _replayed(engine) -> float:
-    return float(engine.runner.last_step_graph)
 
 
 def _device_sync(device) -> Callable[[], None] | None:

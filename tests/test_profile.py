@@ -80,10 +80,15 @@ def test_profile_takes_a_synthetic_prompt_and_says_which_steps_replayed_a_graph(
         model_dir, tmp_path, monkeypatch) -> None:
     """--prompt-tokens: random words of exactly that many tokens; every row says what share of
     its steps replayed a CUDA graph (none on CPU; a stand-in graph replays every other step)."""
-    runner = SimpleNamespace(last_step_graph=True)  # what the model runner says of a step
-    assert profile._replayed(SimpleNamespace(runner=runner)) == 1.0
-    replays = iter([1.0, 0.0] * 100)
-    monkeypatch.setattr(profile, "_replayed", lambda engine: next(replays))
+    engine = SimpleNamespace(  # what the engine and its model runner say of a step
+        last_batch=SimpleNamespace(num_prefill_tokens=3, num_decode_tokens=2),
+        runner=SimpleNamespace(last_step_graph=True))
+    step = profile._measured(engine, SimpleNamespace(seconds={"forward": 0.5}))
+    assert step == profile.MeasuredStep(5, {"forward": 0.5}, True)
+    replays = iter([True, False] * 100)
+    measured = profile._measured
+    monkeypatch.setattr(profile, "_measured", lambda engine, phases: measured(
+        engine, phases)._replace(graph=next(replays)))
     run = run_profile(model_dir, [2], steps=2, warmup=0, dtype="float32", device="cpu",
                       prompt_tokens=40, enforce_eager=True)
     assert run.prompt_tokens == 40 and run.enforce_eager
