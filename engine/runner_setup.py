@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from engine.models.cpu_fused import fused_ops_for
 from engine.models.linear import pack_model_linears
 from engine.models.loader import load_model, resolve_device, resolve_dtype
 from engine.models.spec import ModelSpec
-from engine.parallel.comm import Collectives
+from engine.parallel.comm import STARTUP_TIMEOUT, Collectives
 from engine.parallel.shard import Shard
 
 logger = logging.getLogger(__name__)
@@ -49,13 +50,18 @@ def rank_device(config: EngineConfig, shard: Shard) -> torch.device:
 
 
 def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None = None,
-               comm: Collectives | None = None) -> RankSetup:
+               comm: Collectives | None = None,
+               loaded: Callable[[], None] | None = None) -> RankSetup:
     """Load this rank's shard, size the KV pool (the same block count on every rank), and run
-    the start-up checks of attention, packed matmuls and decode graphs."""
+    the start-up checks of attention, packed matmuls and decode graphs. `loaded` runs between
+    the load and the first collective (tensor parallelism: a worker reports, rank 0 waits for
+    every worker's report)."""
     shard = shard or Shard()
     dtype = resolve_dtype(config.dtype, device)
     model, spec = load_model(config.model, dtype, device, shard, comm, config.trust_remote_code,
                              config.model_impl)
+    if loaded is not None:
+        loaded()
     pack_model_linears(model, config, device, dtype)
     max_model_len = _max_model_len(config, spec.max_position_embeddings)
     budget = default_budget_bytes(device.type, config.gpu_memory_utilization)
@@ -114,8 +120,12 @@ def build_rank_zero(config: EngineConfig) -> RankSetup:
     try:
         shard = Shard(0, size)
         device = rank_device(config, shard)
+        # a worker gone before the rendezvous or the first collective would leave this rank
+        # waiting there for it (STARTUP_TIMEOUT): its reports come first
+        workers.wait_for("joining", STARTUP_TIMEOUT.total_seconds())
         comm = init_group(shard, device, workers.store_path)
-        setup = build_rank(config, device, shard, comm)
+        setup = build_rank(config, device, shard, comm, loaded=lambda: workers.wait_for(
+            "loaded", STARTUP_TIMEOUT.total_seconds()))
         comm.serving_timeout(config.collective_timeout_s)
     except BaseException:
         workers.kill()  # they may wait in a start-up collective for this rank

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import random
 import signal
+import threading
 
 import psutil
 import pytest
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineClient, EngineConfig, EngineDeadError, GenerationRequest
 from engine.parallel.shard import Shard
+from engine.parallel.workers import WorkerGroup, WorkerLost
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
@@ -204,6 +206,41 @@ def test_the_server_exits_when_a_rank_dies_so_the_platform_replaces_it(llama, tm
         worker.send_signal(signal.SIGKILL)
         assert server.process.wait(timeout=30) != 0
         assert "the engine stopped while serving" in server.log()
+
+
+@pytest.mark.parametrize("stage", ["joining", "loaded"])
+def test_a_worker_that_dies_while_starting_fails_the_start_at_once(llama, monkeypatch,
+                                                                   stage) -> None:
+    """A worker rank killed before it joins the ranks (rank 0 would wait in the rendezvous) or
+    while it loads its shard (rank 0 would wait in its first collective): the engine's start
+    fails within seconds with WorkerLost, not after the 30-minute start-up timeout, and leaves
+    no process behind."""
+    path, _, _ = llama
+    wait_for = WorkerGroup.wait_for
+
+    def killed_first(self, waited: str, timeout: float) -> None:
+        if waited == stage:
+            self._procs[0].kill()
+        wait_for(self, waited, timeout)
+
+    monkeypatch.setattr(WorkerGroup, "wait_for", killed_first)
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            make_engine(path, "paged", tensor_parallel_size=2).close()
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - the test reads what it was
+            outcome.append(err)
+
+    starter = threading.Thread(target=start, daemon=True)  # a hang must not hang the suite
+    starter.start()
+    starter.join(timeout=60)
+    assert outcome, f"the start still waits for the dead worker ({stage})"
+    assert isinstance(outcome[0], WorkerLost), outcome[0]
+    assert "rank 1 exited" in str(outcome[0])
+    assert not [p for p in psutil.Process().children(recursive=True)
+                if "engine.parallel.worker" in " ".join(p.cmdline())]
 
 
 def test_shards_split_heads_kv_heads_and_vocabulary() -> None:

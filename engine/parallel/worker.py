@@ -1,7 +1,8 @@
 """A tensor-parallel worker rank: `python -m engine.parallel.worker`, started by WorkerGroup.
 
 It reads WorkerArgs from stdin, joins the ranks, builds its shard (engine/runner_setup.py), then
-runs each StepPlan it reads, until its stdin closes. It samples nothing: rank 0 does."""
+runs each StepPlan it reads, until its stdin closes. It samples nothing: rank 0 does. It reports
+to rank 0 as it joins and once its shard is loaded (WorkerGroup.wait_for)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 from engine.heap import freeze_start_up_heap
 from engine.parallel.comm import init_group, leave_group
 from engine.parallel.shard import Shard
-from engine.parallel.workers import WorkerArgs
+from engine.parallel.workers import WorkerArgs, report_stage
 
 logger = logging.getLogger("engine.parallel.worker")
 
@@ -43,8 +44,10 @@ def main() -> int:
 
     shard = Shard(args.rank, args.size)
     device = rank_device(args.config, shard)
+    report_stage(args.status_fd, "joining")
     comm = init_group(shard, device, args.store_path)
-    runner = build_rank(args.config, device, shard, comm).runner
+    runner = build_rank(args.config, device, shard, comm,
+                        loaded=lambda: report_stage(args.status_fd, "loaded")).runner
     comm.serving_timeout(args.config.collective_timeout_s)
     refresh_warm_up(runner)
     freeze_start_up_heap()
