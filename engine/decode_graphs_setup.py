@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -22,12 +22,15 @@ logger = logging.getLogger(__name__)
 def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: int,
                           max_model_len: int, padded_on_cpu: bool = False,
                           prompt_rows: bool = True, max_seqs: int | None = None,
-                          shrink_on_oom: bool = True) -> bool:
+                          shrink_on_oom: bool = True, piecewise: bool = True) -> bool:
     """CUDA graphs for steps of up to `max_rows` tokens (decodes, and prompt chunks as rows
     where `prompt_rows`; logits for up to `max_seqs` of them) unless `enforce_eager`; returns
-    whether they are on. With `padded_on_cpu`, a CPU runs the same padded buckets without
-    graphs (CI's stand-in). `shrink_on_oom=False` (tensor parallelism: every rank must pad a
-    step alike) turns graphs off where a smaller row cap would have been tried."""
+    whether they are on. Where `piecewise` and `prompt_rows`, the steps of up to as many rows
+    that whole-step graphs leave out run as graphs cut at attention. With `padded_on_cpu`, a
+    CPU runs the same padded buckets and pieces without graphs (CI's stand-in).
+    `shrink_on_oom=False` (tensor parallelism: every rank must pad a step alike) turns graphs
+    off where a smaller row cap would have been tried."""
+    piecewise = piecewise and prompt_rows
     if runner.device.type != "cuda":
         if not padded_on_cpu or enforce_eager:
             return False
@@ -35,6 +38,9 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
         error = check_padded_decode(runner)
         logger.info("padded decode on CPU (no graphs): batch buckets %s; max logit difference "
                     "to eager %.3g", padded.batch_buckets, error)
+        if piecewise:
+            runner.enable_piecewise(max_rows, max_seqs or max_rows)
+            check_piecewise(runner)
         return True
     if enforce_eager:
         logger.info("CUDA graphs off (option.enforce_eager=true): every step runs eagerly")
@@ -57,6 +63,36 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     logger.info("CUDA graphs: %d step graphs (token-row buckets %s, up to %d pages of %d "
                 "tokens) captured and checked in %.1f s; max logit difference to eager %.3g", count,
                 padded.batch_buckets, padded.width_buckets[-1], padded.page_size,
+                time.monotonic() - started, error)
+    if piecewise:
+        prepare_piecewise_graphs(runner, padded.batch_buckets[-1], max_seqs or max_rows)
+    return True
+
+
+def prepare_piecewise_graphs(runner: ModelRunner, max_rows: int, max_seqs: int) -> bool:
+    """Piecewise graphs (engine/piecewise_graphs.py) for the steps of up to `max_rows` tokens
+    that whole-step graphs leave out (their gather bound), checked against eager; on failure
+    or disagreement, log why and run those steps eagerly. Returns whether they are on."""
+    started = time.monotonic()
+    piecewise = runner.enable_piecewise(max_rows, max_seqs)
+    try:
+        with _stream_restored():
+            count = piecewise.capture(runner.spec.vocab_size)
+        error = check_piecewise(runner)
+        failure = None
+    except Exception as err:  # capture unsupported here, or the pieces disagree with eager
+        failure = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if failure is not None:  # past the except block: no traceback holds the graphs now
+        runner.piecewise = None
+        del piecewise
+        runner.kv_cache.zero_()
+        torch.cuda.empty_cache()
+        logger.warning("piecewise CUDA graphs are off: steps that whole-step graphs do not "
+                       "cover run eagerly (%s)", failure)
+        return False
+    logger.info("piecewise CUDA graphs: %d pieces for steps of up to %d tokens that whole-step "
+                "graphs do not cover (cut at each attention call), captured and checked in "
+                "%.1f s; max logit difference to eager %.3g", count, max_rows,
                 time.monotonic() - started, error)
     return True
 
@@ -112,13 +148,40 @@ def check_padded_decode(runner: ModelRunner) -> float:
     zeroes the pool afterwards."""
     padded = runner.padded_decode
     assert padded is not None, "enable_padded_decode() first"
+    batch = _synthetic_step(runner, padded.fits, padded.max_sampled, padded.prompt_rows)
+    error = _against_eager(runner, batch, lambda: runner.padded_logits(
+        runner.stage(batch, describe=False)[0]))
+    limit = LOGIT_TOLERANCE[runner.kv_cache.dtype]
+    assert error <= limit, f"padded decode differs from eager by {error:.3g} (> {limit:g})"
+    return error
+
+
+def check_piecewise(runner: ModelRunner) -> float:
+    """check_padded_decode's synthetic step through the piecewise path (engine/
+    piecewise_graphs.py) against eager: max |piecewise - eager| logit; AssertionError past
+    the dtype's tolerance."""
+    piecewise = runner.piecewise
+    assert piecewise is not None, "enable_piecewise() first"
+    batch = _synthetic_step(runner, lambda rows, _: piecewise.fits(rows),
+                            piecewise.max_sampled, prompt_rows=True)
+    error = _against_eager(runner, batch, lambda: runner.piecewise_logits(
+        *runner.stage(batch)[:2]))
+    limit = LOGIT_TOLERANCE[runner.kv_cache.dtype]
+    assert error <= limit, f"piecewise steps differ from eager by {error:.3g} (> {limit:g})"
+    return error
+
+
+def _synthetic_step(runner: ModelRunner, fits: Callable[[int, int], bool], max_sampled: int,
+                    prompt_rows: bool) -> ScheduledBatch:
+    """Decode rows of different contexts and (`prompt_rows`) a 3-token chunk, in the empty
+    pool's first blocks, as far as the pool, max_model_len and `fits(rows, pages)` allow."""
     bs, page = runner.block_size, runner.page_size
     free = list(range(runner.scratch_slot // bs))[::-1]  # every block but the scratch one
     generator = torch.Generator().manual_seed(0)
     seqs, scheduled = [], []
     tables = runner.layout.num_tables
     rows = [(5, 1)]  # (context, tokens this step); the chunk early, so that few sequences do
-    if padded.prompt_rows:
+    if prompt_rows:
         rows.append((page + 7, 3))
     rows += [(bs + 3, 1), (3 * bs + 1, 1)]
     windows = [w for w in runner.layout.group_windows if w is not None]
@@ -127,8 +190,8 @@ def check_padded_decode(runner: ModelRunner) -> float:
     widest = 0
     for ctx, n in rows:
         need, pages = -(-ctx // bs), max(widest, -(-ctx // page))
-        if (need * tables > len(free) or not padded.fits(sum(scheduled) + n, pages)
-                or len(seqs) == padded.max_sampled):
+        if (need * tables > len(free) or not fits(sum(scheduled) + n, pages)
+                or len(seqs) == max_sampled):
             continue
         widest = pages
         ids = torch.randint(0, runner.spec.vocab_size, (ctx,), generator=generator).tolist()
@@ -139,24 +202,25 @@ def check_padded_decode(runner: ModelRunner) -> float:
         seqs.append(seq)
         scheduled.append(n)
     assert seqs, "the pool or max_model_len is too small for one decode row"
-    batch = ScheduledBatch(tuple(seqs), tuple(scheduled))
+    return ScheduledBatch(tuple(seqs), tuple(scheduled))
+
+
+def _against_eager(runner: ModelRunner, batch: ScheduledBatch,
+                   other: Callable[[], torch.Tensor]) -> float:
+    """Max |other() - eager| logit of `batch`'s sequences, each run over the same random KV
+    (refilled before `other`, so that a chunk's last row must read what that pass itself wrote
+    for the chunk's other tokens); zeroes the pool afterwards."""
     cache = runner.kv_cache
 
     def fill() -> None:
-        """Random KV for the rows' context; refilled before the padded pass, so a chunk's
-        last row must read what that pass itself wrote for the chunk's other tokens."""
         cache.normal_(generator=torch.Generator(cache.device).manual_seed(0))
 
     try:
         with torch.inference_mode():
             fill()
             views, meta, _ = runner.stage(batch)
-            eager = runner.eager_logits(views, meta, list(range(len(seqs))))
+            eager = runner.eager_logits(views, meta, list(range(len(batch.seqs))))
             fill()
-            graphed = runner.padded_logits(runner.stage(batch, describe=False)[0])
-            error = (graphed - eager).abs().max().item()
+            return (other() - eager).abs().max().item()
     finally:
         cache.zero_()
-    limit = LOGIT_TOLERANCE[cache.dtype]
-    assert error <= limit, f"padded decode differs from eager by {error:.3g} (> {limit:g})"
-    return error

@@ -23,6 +23,7 @@ from engine.models.spec import ModelSpec
 from engine.outputs import SampledToken
 from engine.parallel.workers import WorkerLost
 from engine.phases import NoPhases, PhaseClock
+from engine.piecewise_graphs import PiecewiseStep
 from engine.sampler import SampledRows, Sampler
 from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
@@ -80,6 +81,7 @@ class ModelRunner:
         self.layer_caches = tuple(self.kv_cache[t] for t in self.layout.layer_tensors)
         self.scratch_slot = num_blocks * block_size
         self.padded_decode: PaddedDecode | None = None  # enable_padded_decode() sets it
+        self.piecewise: PiecewiseStep | None = None  # enable_piecewise() sets it
         self.last_step_graph = False  # whether the latest step replayed a CUDA graph
         self.peers: PlanSender | None = None  # the worker ranks, when tensor parallel
         # The latest step's samples and whose they are (seq id -> row): a later step whose
@@ -96,6 +98,14 @@ class ModelRunner:
                                           self.scratch_slot, self.page_size, max_rows,
                                           max_pages, prompt_rows, max_seqs)
         return self.padded_decode
+
+    def enable_piecewise(self, max_rows: int, max_seqs: int) -> PiecewiseStep:
+        """Run steps of up to `max_rows` tokens that the padded path does not take padded to a
+        row bucket, cut at attention (what piecewise CUDA graphs replay;
+        engine/piecewise_graphs.py); logits for up to `max_seqs` rows."""
+        self.piecewise = PiecewiseStep(self.model, list(self.layer_caches), self.layout,
+                                       self.scratch_slot, self.page_size, max_rows, max_seqs)
+        return self.piecewise
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -130,11 +140,19 @@ class ModelRunner:
         """Run a packed step; `sampling` holds the sequences of plan.sampled (None on a
         tensor-parallel worker rank, which computes its share and samples nothing)."""
         padded = self._padded(plan)
+        piecewise = not padded and self.piecewise is not None and self.piecewise.fits(
+            len(plan.ids))
         views, meta, sampler_plan = self._stage(plan, sampling, describe=not padded)
         self.phases.mark("prepare")
-        logits = self.padded_logits(views) if padded else self.eager_logits(views, meta,
-                                                                            plan.sampled)
-        self.last_step_graph = padded and self.padded_decode.replayed
+        if padded:
+            logits = self.padded_logits(views)
+            self.last_step_graph = self.padded_decode.replayed
+        elif piecewise:
+            logits = self.piecewise_logits(views, meta)
+            self.last_step_graph = self.piecewise.replayed
+        else:
+            logits = self.eager_logits(views, meta, plan.sampled)
+            self.last_step_graph = False
         self.phases.mark("forward")  # [S, vocab] float32, or None: the step only wrote KV
         if logits is None or sampling is None:
             return None
@@ -158,6 +176,14 @@ class ModelRunner:
         rows = views["sample_rows"]  # [S] ascending packed rows
         logits = self.padded_decode.run(views["tokens"], views["decode"], views["decode_pages"],
                                         rows)  # [S, vocab]
+        return logits if rows.numel() else None
+
+    def piecewise_logits(self, views: dict[str, torch.Tensor],
+                         meta: AttentionMetadata) -> torch.Tensor | None:
+        """A step run padded, cut at attention (piecewise graphs where captured) → logits
+        [S, vocab] float32 of the sampled rows (None when no row samples)."""
+        rows = views["sample_rows"]  # [S] ascending packed rows
+        logits = self.piecewise.run(views["tokens"], meta, rows)  # [S, vocab]
         return logits if rows.numel() else None
 
     def attention_metadata(self, batch: ScheduledBatch) -> AttentionMetadata:

@@ -90,7 +90,7 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     rows = graph_rows(config.max_num_seqs, step_tokens) if prompt_rows else config.max_num_seqs
     graphs = prepare_decode_graphs(runner, eager, rows, max_model_len,
                                    config.padded_decode_on_cpu, prompt_rows, config.max_num_seqs,
-                                   shrink_on_oom=comm is None)
+                                   shrink_on_oom=comm is None, piecewise=comm is None)
     # a collective, so every rank asks, whatever its own answer
     if comm is not None and not comm.agree_all(graphs) and graphs:
         logger.warning("CUDA graphs off: another tensor-parallel rank could not use them")

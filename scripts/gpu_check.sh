@@ -36,7 +36,9 @@
 # CHECKS=wide: `bench profile` of the first preset with 200- and 1000-token prompts (decode
 # at batch 8 and 32 beside those contexts, and a prompt admitted beside them), graphs against
 # --enforce-eager (~2-3 min): whether a graph whose attention gathers rows x context of KV
-# beats the eager step there (steps up to 512 rows replay graphs since 9cd79d2).
+# beats the eager step there (steps up to 512 rows replay graphs since 9cd79d2; those past
+# the gather bound, a 512-token chunk beside 1,000-token contexts, replay piecewise graphs
+# since stop 46: their "graphs" share says whether they did).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
@@ -113,12 +115,13 @@ if torch.cuda.is_available():
     print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory >> 20, 'MiB')
 "
 # The CUDA cases the suite skips on CPU: async scheduling with and without graphs, graphs
-# captured, checked and exact per strategy, every strategy and backend against generate,
+# (whole-step and piecewise) captured, checked and exact per strategy, every strategy and backend against generate,
 # FlexAttention against the reference in bf16 and compiled at start-up, and nothing compiled
 # in served steps after it (the sweeps' stalls, found on CPU).
 want tests && step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
     "tests/test_async_scheduling.py::test_planned_ahead_on_cuda_gives_generate_greedy_tokens" \
     "tests/test_padded_decode.py::test_cuda_graphs_are_captured_checked_and_exact" \
+    "tests/test_piecewise.py::test_piecewise_cuda_graphs_are_captured_checked_and_exact" \
     "tests/test_equivalence.py::test_greedy_matches_transformers_generate_on_gpu" \
     "tests/test_attention_backends.py::test_flex_matches_reference_on_gpu_bf16" \
     "tests/test_attention_backends.py::test_flex_on_gpu_compiles_at_start_up_not_while_serving" \
