@@ -84,6 +84,7 @@ def prepare_piecewise_graphs(runner: ModelRunner, max_rows: int, max_seqs: int) 
         failure = str(err).splitlines()[0] if str(err) else type(err).__name__
     if failure is not None:  # past the except block: no traceback holds the graphs now
         runner.piecewise = None
+        piecewise.release()
         del piecewise
         runner.kv_cache.zero_()
         torch.cuda.empty_cache()
@@ -162,10 +163,14 @@ def check_piecewise(runner: ModelRunner) -> float:
     the dtype's tolerance."""
     piecewise = runner.piecewise
     assert piecewise is not None, "enable_piecewise() first"
-    batch = _synthetic_step(runner, lambda rows, _: piecewise.fits(rows),
+    small = _synthetic_step(runner, lambda rows, _: piecewise.fits(rows),
                             piecewise.max_sampled, prompt_rows=True)
-    error = _against_eager(runner, batch, lambda: runner.piecewise_logits(
-        *runner.stage(batch)[:2]))
+    # and a prompt as long as the largest bucket allows: the steps this path is for
+    largest = min(piecewise.buckets[-1], runner.spec.max_position_embeddings,
+                  runner.scratch_slot // runner.block_size // runner.layout.num_tables
+                  * runner.block_size)
+    error = max(_against_eager(runner, batch, lambda b=batch: runner.piecewise_logits(
+        *runner.stage(b)[:2])) for batch in (small, _prompt_step(runner, largest)))
     limit = LOGIT_TOLERANCE[runner.kv_cache.dtype]
     assert error <= limit, f"piecewise steps differ from eager by {error:.3g} (> {limit:g})"
     return error
@@ -203,6 +208,17 @@ def _synthetic_step(runner: ModelRunner, fits: Callable[[int, int], bool], max_s
         scheduled.append(n)
     assert seqs, "the pool or max_model_len is too small for one decode row"
     return ScheduledBatch(tuple(seqs), tuple(scheduled))
+
+
+def _prompt_step(runner: ModelRunner, tokens: int) -> ScheduledBatch:
+    """One fresh prompt of `tokens` random tokens in the empty pool's first blocks."""
+    need = -(-tokens // runner.block_size)
+    ids = torch.randint(0, runner.spec.vocab_size, (tokens,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
+    seq = Sequence(0, ids, SamplingParams())
+    seq.block_tables = [list(range(k * need, (k + 1) * need))
+                        for k in range(runner.layout.num_tables)]
+    return ScheduledBatch((seq,), (tokens,))
 
 
 def _against_eager(runner: ModelRunner, batch: ScheduledBatch,

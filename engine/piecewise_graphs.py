@@ -157,6 +157,8 @@ class PiecewiseStep:
 
     def _replay(self, pieces: _Pieces, meta: AttentionMetadata,
                 num_rows: int) -> torch.Tensor:
+        for _, out in self._buffers.values():  # padding rows attend to nothing, as eagerly
+            out[num_rows:].zero_()  # (what they write to the scratch slot stays finite)
         for graph, call in zip(pieces.graphs, pieces.calls, strict=False):
             graph.replay()
             mine = _group(meta, call.group)
@@ -173,27 +175,40 @@ class PiecewiseStep:
         logits_out = torch.empty(self.max_sampled, vocab_size, device=device)
         self.inputs.copy_(self.pad_rows.expand_as(self.inputs))  # warm-up rows: scratch only
         capture = _Capture(self._buffers)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(side):
-            for bucket in reversed(self.buckets):
-                rows = min(bucket, self.max_sampled)
-                self.forward(bucket)  # warm-up: lazy initialisation off the graphs
-                self._capture = capture
-                try:
-                    capture.begin()
-                    logits_out[:rows].copy_(self.forward(bucket))
-                    graphs, calls = capture.end()
-                except BaseException:
-                    capture.abort()
-                    self.graphs.clear()
-                    raise
-                finally:
-                    self._capture = None
-                self.graphs[bucket] = _Pieces(graphs, calls, logits_out[:rows])
-        torch.cuda.current_stream().wait_stream(side)
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        side.wait_stream(main)
+        try:
+            with torch.inference_mode(), torch.cuda.stream(side):
+                for bucket in reversed(self.buckets):
+                    self._capture_bucket(bucket, capture, logits_out)
+        except BaseException:
+            capture.abort()
+            self.release()
+            raise
+        finally:
+            self._capture = None
+            main.wait_stream(side)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-ups' blocks, cached for the side stream
         return sum(len(pieces.graphs) for pieces in self.graphs.values())
+
+    def _capture_bucket(self, bucket: int, capture: _Capture,
+                        logits_out: torch.Tensor) -> None:
+        rows = min(bucket, self.max_sampled)
+        self.forward(bucket)  # warm-up: lazy initialisation off the graphs
+        self._capture = capture
+        capture.begin()
+        logits_out[:rows].copy_(self.forward(bucket))
+        graphs, calls = capture.end()
+        self._capture = None
+        self.graphs[bucket] = _Pieces(graphs, calls, logits_out[:rows])
+
+    def release(self) -> None:
+        """Drop the graphs and buffers (a failed start-up): the cuts refer back to this step,
+        so dropping the step alone would leave them to the cycle collector."""
+        self.graphs.clear()
+        self._buffers.clear()
+        self.cuts.clear()
 
 
 def _group(meta: AttentionMetadata, group: int) -> AttentionMetadata:

@@ -187,11 +187,14 @@ def test_a_capture_cuts_one_graph_per_attention_call_and_replays_them_in_turn(
                                         attended.append((len(fake_cuda_graphs.log), len(q)))
                                         or torch.zeros_like(q)})()
     meta = type("Meta", (), {"groups": None, "backend": group_backend})()
+    (_, out), = piecewise._buffers.values()
     with torch.inference_mode():
+        out.fill_(7.0)  # what an earlier step's rows left there
         piecewise.run(torch.zeros(2 + layout.num_tables, 3, dtype=torch.long), meta,
                       torch.tensor([2]))
     assert piecewise.replayed and fake_cuda_graphs.log == list(pieces.graphs)
     assert attended == [(i + 1, 3) for i in range(layers)]  # after piece i, 3 real rows
+    assert not out[3:].any()  # padding rows' attention is zero, as in the eager pieces
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,6 +6,7 @@ behind. The sharding arithmetic is checked on its own."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
 import threading
@@ -241,6 +242,22 @@ def test_a_worker_that_dies_while_starting_fails_the_start_at_once(llama, monkey
     assert "rank 1 exited" in str(outcome[0])
     assert not [p for p in psutil.Process().children(recursive=True)
                 if "engine.parallel.worker" in " ".join(p.cmdline())]
+
+
+def test_reports_read_together_are_each_taken_at_their_stage() -> None:
+    """A worker fast enough to report 'joining' and 'loaded' before rank 0 reads either: the
+    second stage is taken from what the first read brought, not waited for on the pipe."""
+    alive = type("Alive", (), {"poll": lambda self: None, "wait": lambda self, timeout: None})()
+    group = WorkerGroup.__new__(WorkerGroup)  # the reports' side alone: no processes
+    status, theirs = os.pipe()
+    group.size, group._status, group._reports, group._procs = 2, [status], {}, [alive]
+    os.write(theirs, b"joining\nloaded\n")
+    group.wait_for("joining", 5.0)
+    group.wait_for("loaded", 0.5)  # within the half second: read already
+    os.close(theirs)
+    with pytest.raises(WorkerLost, match="reported ''"):  # EOF from a live process
+        group.wait_for("ready", 5.0)
+    os.close(status)
 
 
 def test_shards_split_heads_kv_heads_and_vocabulary() -> None:

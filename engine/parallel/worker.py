@@ -48,6 +48,7 @@ def main() -> int:
     comm = init_group(shard, device, args.store_path)
     runner = build_rank(args.config, device, shard, comm,
                         loaded=lambda: report_stage(args.status_fd, "loaded")).runner
+    os.close(args.status_fd)  # the last report: nothing forked later holds the pipe open
     comm.serving_timeout(args.config.collective_timeout_s)
     refresh_warm_up(runner)
     freeze_start_up_heap()

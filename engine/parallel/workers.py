@@ -106,7 +106,9 @@ class WorkerGroup:
             if left <= 0:
                 raise WorkerLost(f"tensor-parallel ranks {sorted(waiting.values())} did not "
                                  f"report {stage!r} within {timeout:g} s")
-            ready, _, _ = select.select(list(waiting), [], [], min(left, 1.0))
+            ready = [fd for fd in waiting if self._reports.get(fd)]  # read ahead already
+            if not ready:
+                ready = _readable(list(waiting), min(left, 1.0))
             for fd in ready:
                 line = self._read_report(fd)
                 if line != stage:  # EOF: the worker is exiting; check() says how, once it has
@@ -149,6 +151,14 @@ class WorkerGroup:
     def _write(proc: subprocess.Popen, message: Any) -> None:
         pickle.dump(message, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
         proc.stdin.flush()
+
+
+def _readable(fds: list[int], timeout: float) -> list[int]:
+    """Which of `fds` can be read (a report, or EOF) within `timeout` seconds."""
+    poller = select.poll()  # not select.select: an fd past 1024 is fine
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(timeout * 1000)]
 
 
 def _stop(procs: list[subprocess.Popen], status: list[int], store_dir: str,
