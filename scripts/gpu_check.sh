@@ -294,7 +294,7 @@ rm -rf /tmp/gpu-check-model-*
 [ "$(find "$OUT" -type f | wc -l)" -gt 8 ] && find "$OUT" -name profile.md -delete
 # What the start-up checks decided (graphs, async scheduling, attention): each says why it fell
 # back, if it did.
-grep -iE "fall(s|ing)? back|disagree|differ|graphs? (on|off|captured)|asynchronous scheduling|\
+grep -iE "fall(s|ing)? back|disagree|differ|graphs? (on|off|captured)|piecewise|asynchronous scheduling|\
 attention backend|heap frozen|tokenizer view built|HTTP parser" "$OUT/log.txt" | sed -E 's/^[0-9-]+ [0-9:,]+ //' | sort | uniq -c | head -40 \
     >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
