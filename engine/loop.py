@@ -63,6 +63,8 @@ class RequestHandle:
         self.cancelled = False  # aborted because cancel_when's check said so
         self._cancel_check: Callable[[], bool] | None = None
         self._listener: Callable[[], None] | None = None
+        self._delivered_at: list[float] = []  # when each queued event came, in queue order
+        self._final = threading.Event()  # set once the final event is queued
 
     def cancel_when(self, check: Callable[[], bool]) -> None:
         """While events() waits, run `check` every CANCEL_CHECK_SECONDS; once it is true, abort
@@ -86,6 +88,23 @@ class RequestHandle:
                 continue
             self.finished = event.finished
             yield event
+
+    def all_events(self) -> list[tuple[TokenEvent, float]]:
+        """Every event with the monotonic time it was delivered, once the final one has come:
+        a reader that needs the whole answer (a non-streaming request) is woken for the end
+        alone (and for cancel checks), not for each token as events() is. Not after events()."""
+        poll = _POLL_SECONDS if self._cancel_check is None else CANCEL_CHECK_SECONDS
+        self.check_cancel()  # at once: a client may leave before it is scheduled
+        while not self._final.wait(poll):
+            self.check_cancel()
+            if not self.events_may_come():
+                break
+        events = self.take_ready()
+        times = self._delivered_at[:len(events)]
+        if not events or not events[-1].finished:  # the output thread stopped without it
+            events.append(self.end_unserved())
+            times.append(time.monotonic())
+        return list(zip(events, times, strict=True))
 
     def take_ready(self) -> list[TokenEvent]:
         """The events already queued, up to the final one, without waiting: for a reader that
@@ -321,16 +340,19 @@ class EngineLoop:
     def _dispatch(self, events: list[TokenEvent]) -> None:
         # one call per listener per delivery (the choices of one stream share one)
         listeners: dict[Callable[[], None], None] = {}
+        now = time.monotonic()
         with self._lock:
             for event in events:
                 handle = self._handles.get(event.request_id)
                 if handle is None:
                     continue
                 handle._events.put(event)
+                handle._delivered_at.append(now)
                 if handle._listener is not None:
                     listeners[handle._listener] = None
                 if event.finished:
                     del self._handles[event.request_id]
+                    handle._final.set()
         for listener in listeners:
             try:
                 listener()

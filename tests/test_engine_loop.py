@@ -98,6 +98,39 @@ def test_submitted_requests_stream_every_token_and_end(served) -> None:
     wait_until(lambda: kv_used(served) == 0 and served.gauges().num_in_flight == 0)
 
 
+def test_a_whole_answer_reader_is_woken_once_with_every_event_and_its_time(served,
+                                                                          monkeypatch) -> None:
+    """all_events() (non-streaming requests) waits for the final event alone: no blocking
+    get per token, the same events as events() and the monotonic time each was delivered."""
+    waits = []
+
+    class Counted(queue.SimpleQueue):  # a handle's event queue that counts blocking reads
+        def get(self, block=True, timeout=None):
+            waits.append(timeout)
+            return super().get(block, timeout)
+
+    monkeypatch.setattr("engine.loop.queue.SimpleQueue", Counted)
+    streamed = collect(served.submit(request(greedy(9))))
+    assert len(waits) >= len(streamed)  # events(): a blocking read per event
+    waits.clear()
+    started = time.monotonic()
+    handle = served.submit(request(greedy(9)))
+    answer = handle.all_events()
+    assert not waits  # only get_nowait, once the end has come
+    events, times = [e for e, _ in answer], [t for _, t in answer]
+    assert [e.token_id for e in events] == [e.token_id for e in streamed]
+    assert events[-1].finish_reason == "length"
+    assert started <= times[0] and times == sorted(times) and times[-1] <= time.monotonic()
+
+
+def test_a_whole_answer_reader_ends_a_request_whose_client_left(served) -> None:
+    handle = served.submit(request(greedy(90)))
+    handle.cancel_when(lambda: True)
+    answer = handle.all_events()
+    assert answer[-1][0].finish_reason == "abort" and handle.cancelled
+    wait_until(lambda: kv_used(served) == 0)
+
+
 def test_abort_ends_a_running_request_and_frees_its_kv(served) -> None:
     handle = served.submit(request(greedy(80)))
     events = handle.events()

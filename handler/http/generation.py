@@ -127,10 +127,10 @@ def collect_all(state: ServerState, handles: list[RequestHandle], start: float
 def collect(state: ServerState, handle: RequestHandle, start: float) -> list[TokenEvent]:
     """Wait for a non-streaming request's events; an abnormal end becomes an HTTP error."""
     events, times = [], []
-    for event in handle.events():
+    for event, delivered in handle.all_events():  # woken once, at the end
         events.append(event)
         if event.token_id is not None:
-            times.append(time.monotonic())
+            times.append(delivered)
     error = CLIENT_GONE if handle.cancelled else final_error(events[-1])
     status = error.code if error else 200
     if error is not None:

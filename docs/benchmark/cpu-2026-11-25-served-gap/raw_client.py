@@ -6,7 +6,8 @@ on a 2-vCPU host it leaves the server most of its CPU. Prints req/s, mean time t
 bytes (read until the first `"token"` arrives, not only the first byte: a server may send its
 headers first) and mean first token -> end. `--wake-at-end`: after the first token the client
 is woken only by the end of the body (it still reads all of it), about what clients on other
-machines cost this host (docs/benchmark/cpu-2026-11-27-core-pipes/).
+machines cost this host (docs/benchmark/cpu-2026-11-27-core-pipes/). `--no-stream`: one JSON
+body per request, as the LMI study's clients asked (docs/benchmark/cpu-2026-11-27-unstreamed/).
 
     python docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py --port 8080 \
         --model-dir /tmp/tiny320 -n 960
@@ -31,12 +32,17 @@ WAKE_AT_END_BYTES = 1 << 15
 
 
 async def one(port: int, body: bytes, times: list[tuple[float, float]],
-              wake_at_end: bool = False) -> int:
+              wake_at_end: bool = False, stream: bool = True) -> int:
     start = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
     await writer.drain()
+    if not stream:  # one JSON body at the end: its details list each token's "id"
+        data = await reader.read()
+        writer.close()
+        times.append((time.perf_counter() - start, 0.0))
+        return data.count(b'"id"')
     data = b""
     while b'"token"' not in data:
         more = await reader.read(65536)
@@ -53,15 +59,17 @@ async def one(port: int, body: bytes, times: list[tuple[float, float]],
     return data.count(b'"token"')
 
 
-async def run(port: int, bodies: list[bytes], clients: int, wake_at_end: bool) -> None:
+async def run(port: int, bodies: list[bytes], clients: int, wake_at_end: bool,
+              stream: bool) -> None:
     times: list[tuple[float, float]] = []
-    await asyncio.gather(*[one(port, b, []) for b in bodies[:clients]])  # warm-up, not timed
+    await asyncio.gather(*[one(port, b, [], stream=stream)
+                           for b in bodies[:clients]])  # warm-up, not timed
     todo = iter(bodies[clients:])
     counts: list[int] = []
 
     async def client() -> None:
         for body in todo:
-            counts.append(await one(port, body, times, wake_at_end))
+            counts.append(await one(port, body, times, wake_at_end, stream))
     start = time.perf_counter()
     await asyncio.gather(*[client() for _ in range(clients)])
     elapsed = time.perf_counter() - start
@@ -81,12 +89,15 @@ def main() -> None:
     parser.add_argument("--wake-at-end", action="store_true",
                         help="after the first token, be woken only by the end of the body "
                         "(SO_RCVLOWAT): about the CPU of clients on other machines")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="ask for one JSON body per request (\"stream\": false; its "
+                        "first-token time is then the whole request's)")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     jobs = synthetic_jobs(args.n + args.c, Lengths.parse(args.prompt_tokens, "prompt"),
                           Lengths.parse(args.output_tokens, "output"), 0, tokenizer)
-    bodies = [json.dumps(job.body(stream=True)).encode() for job in jobs]
-    asyncio.run(run(args.port, bodies, args.c, args.wake_at_end))
+    bodies = [json.dumps(job.body(stream=not args.no_stream)).encode() for job in jobs]
+    asyncio.run(run(args.port, bodies, args.c, args.wake_at_end, not args.no_stream))
 
 
 if __name__ == "__main__":
