@@ -40,7 +40,7 @@ class LocalEngine:
     def generate(self, inputs: str, parameters: Mapping | None = None) -> dict:
         """{"generated_text", "details"?}; raises ValueError for bad parameters (→ 424)."""
         params, details = self._params(parameters)
-        events = list(self._submit(inputs, params).events())
+        events = [event for event, _ in self._submit(inputs, params).all_events()]
         last = events[-1]
         if last.error is not None or last.finish_reason in ("abort", "timeout", "error"):
             raise RuntimeError(f"generation ended with {last.finish_reason}: {last.error}")
