@@ -33,6 +33,9 @@
 # at 32 and 40 clients (~4 min). Alone in a call with timeout_s 600 (OFFLINE_ROUNDS=1 saves 50 s;
 # RATIO_CPU=0 skips the CPU part, GPU_CLIENTS picks the GPU rounds; on an H100 on 11-27 the GPU
 # part alone took 218 s, 100 graphs captured in 9.2 s of a 33.5 s load).
+# CHECKS=stall: `bench stall` (8 running decodes, a 2,000-token prompt admitted beside them) on
+# the first preset, paged with graphs and with option.enforce_eager (~1-2 min): the decodes'
+# inter-token p99 and the prompt's latency, whose 512-token chunks replay piecewise graphs.
 # CHECKS=wide: `bench profile` of the first preset with 200- and 1000-token prompts (decode
 # at batch 8 and 32 beside those contexts, and a prompt admitted beside them), graphs against
 # --enforce-eager (~2-3 min): whether a graph whose attention gathers rows x context of KV
@@ -204,6 +207,20 @@ for r in json.load(open(sys.argv[1]))["rows"]:
 EOF
         done
     done
+fi
+if want stall; then  # a long prompt admitted beside running decodes, graphs against eager
+    random_model "$first"  # (its 512-token chunks pass the whole-step graphs' gather bound)
+    mkdir -p /tmp/gpu-check-stall
+    for mode in graphs eager; do
+        { cat serving.properties.d/paged.properties
+          echo "option.device=$DEVICE"; echo "option.dtype=$dtype"
+          [ "$mode" = eager ] && echo "option.enforce_eager=true"; } \
+            > "/tmp/gpu-check-stall/paged-$mode.properties"
+    done
+    step stall 200 "$PY" -m handler.cli bench stall /tmp/gpu-check-stall/paged-graphs.properties \
+        /tmp/gpu-check-stall/paged-eager.properties --model-dir "$model" \
+        --long-prompt-tokens "${STALL_PROMPT:-2000}" --out /tmp/gpu-check-stall
+    grep -E "^paged-(graphs|eager): long prompt" "$OUT/log.txt" >> "$OUT/summary.txt"
 fi
 if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV budget for all
     random_model "$first"
