@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from benchmark.device_time import device_busy, device_sync
 from benchmark.workloads import LMI_WORKLOAD, Lengths, synthetic_jobs
 from engine.phases import PHASES, NoPhases, StepPhases
 
@@ -157,13 +158,13 @@ def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, s
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(request_id, prompt_ids, params)
-    sync = _device_sync(engine.runner.device)
+    sync = device_sync(engine.runner.device)
     prefill = _phase_steps(engine, sync, is_prefill=True)
     for _ in range(warmup):
         engine.step()
     decode = _phase_steps(engine, sync, is_prefill=False, count=steps)
     step_ms = _served_step_ms(engine, sync, steps)
-    busy, kernels = _device_busy(engine, steps) if sync is not None else (None, ())
+    busy, kernels = device_busy(engine, steps) if sync is not None else (None, ())
     mixed = _mixed_steps(engine, prompt_ids, params, sync, steps)
     for request_id in ids:
         engine.abort(request_id)
@@ -244,33 +245,6 @@ def _served_step_ms(engine, sync: Callable[[], None] | None, steps: int) -> floa
     return 1000 * statistics.median(times)
 
 
-def _device_busy(engine, steps: int, top: int = 8
-                 ) -> tuple[float, tuple[tuple[str, float, float], ...]]:
-    """Kernel time per step on CUDA, from torch.profiler, without syncs inside the steps; and
-    the `top` kernels by device time (name, µs per step, launches per step). Device events
-    only: a host-side event's self device time repeats its kernels' (as torch's own table
-    sums it; before 2026-11-26 this summed both, so it may have counted kernels twice)."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    return kernel_time(prof.key_averages(), DeviceType.CUDA, steps, top)
-
-
-def kernel_time(events, device_type, steps: int, top: int = 8
-                ) -> tuple[float, tuple[tuple[str, float, float], ...]]:
-    """(ms per step, top kernels) from profiler averages, counting `device_type` events only."""
-    kernels = [e for e in events if e.device_type == device_type and e.self_device_time_total]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    listed = tuple((e.key[:120], e.self_device_time_total / steps, e.count / steps)
-                   for e in kernels[:top])
-    return sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed
-
-
 def _row(kind: str, batch: int, measured: list[MeasuredStep],
          step_ms: float | None, busy_ms: float | None) -> StepProfile:
     phases_ms = {p: 1000 * statistics.median(m.seconds.get(p, 0.0) for m in measured)
@@ -279,11 +253,3 @@ def _row(kind: str, batch: int, measured: list[MeasuredStep],
     graphs = statistics.fmean(m.graph for m in measured)
     return StepProfile(kind, batch, int(statistics.median(m.tokens for m in measured)),
                        len(measured), wall, phases_ms, busy_ms, graph_share=graphs)
-
-
-def _device_sync(device) -> Callable[[], None] | None:
-    if device.type != "cuda":
-        return None  # CPU ops finish before they return: nothing to wait for
-    import torch
-
-    return torch.cuda.synchronize
