@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 
 def device_busy(engine, steps: int, top: int = 8
-                 ) -> tuple[float, tuple[tuple[str, float, float], ...]]:
+                ) -> tuple[float, tuple[tuple[str, float, float], ...]]:
     """Kernel time per step on CUDA, from torch.profiler, without syncs inside the steps; and
     the `top` kernels by device time (name, µs per step, launches per step). Device events
     only: a host-side event's self device time repeats its kernels' (as torch's own table
