@@ -100,8 +100,8 @@ class ModelRunner:
         return self.padded_decode
 
     def enable_piecewise(self, max_rows: int, max_seqs: int) -> PiecewiseStep:
-        """Run steps of up to `max_rows` tokens that the padded path does not take padded to a
-        row bucket, cut at attention (what piecewise CUDA graphs replay;
+        """Run the steps of up to `max_rows` tokens that the padded path leaves out padded to
+        a row bucket and cut at attention (what piecewise CUDA graphs replay;
         engine/piecewise_graphs.py); logits for up to `max_seqs` rows."""
         self.piecewise = PiecewiseStep(self.model, list(self.layer_caches), self.layout,
                                        self.scratch_slot, self.page_size, max_rows, max_seqs)

@@ -49,7 +49,7 @@ class _Attention:
     """One attention call of a captured step: between the pieces before and after it."""
 
     group: int  # the attention group its layer reads (AttentionMetadata.groups)
-    q: torch.Tensor  # [rows, H, D] the piece before writes it (graph memory)
+    q: torch.Tensor  # [rows, H, D] static: the piece before copies its queries here
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     scale: float
