@@ -7,6 +7,7 @@ torch.cuda's graph API; on a GPU the pieces are captured and compared with eager
 from __future__ import annotations
 
 import contextlib
+import random
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from engine import decode_graphs
 from engine.decode_graphs_setup import check_piecewise
 from engine.piecewise_graphs import PiecewiseStep
 from tests import test_padded_decode
-from tests.engine_harness import drive, greedy, make_engine
+from tests.engine_harness import Req, drive, greedy, make_engine
 from tests.test_padded_decode import STRATEGIES, padded_engine, requests
 
 tiny = test_padded_decode.tiny  # the same models and references (llama, mistral, gemma3)
@@ -75,6 +76,29 @@ def test_steps_past_the_gather_bound_run_piecewise_beside_whole_step_graphs(
     assert [r.tokens for r in reqs] == refs
     assert ("piecewise", True) in paths and ("padded", False) in paths
     assert all(path != "eager" for path, _ in paths)  # 16-token steps: every one fits a bucket
+
+
+def test_prefix_cache_hits_and_preemption_recomputes_run_piecewise_as_plain(tiny) -> None:
+    """Chunks that start after cached blocks (their attention reads the cached prefix), and
+    prompts recomputed after a preemption, run piecewise with the plain path's tokens."""
+    path, _, _, _ = tiny
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 300) for _ in range(9)]
+    prompts = [shared + [rng.randrange(3, 300) for _ in range(n)] for n in (2, 14, 5)]
+    prompts.append([rng.randrange(3, 300) for _ in range(21)])
+    hybrid = len(set(test_padded_decode.layer_types_of(path))) > 1
+    options = {"block_size": 4, "max_num_batched_tokens": 8, "enable_prefix_caching": True,
+               "num_kv_blocks": 24 if hybrid else 12}
+    runs = {}
+    for name in ("plain", "piecewise"):
+        engine = make_engine(path, "paged", **options)
+        if name == "piecewise":
+            piecewise = engine.runner.enable_piecewise(8, engine.config.max_num_seqs)
+        reqs = [Req(f"r{i}", p, greedy(16), 2 * i) for i, p in enumerate(prompts)]
+        drive(engine, reqs)
+        assert engine.scheduler.num_preemptions > 0 and engine.scheduler.allocator.prefix_hits
+        runs[name] = [r.tokens for r in reqs]
+    assert runs["piecewise"] == runs["plain"] and piecewise.steps
 
 
 def test_padding_rows_write_only_the_scratch_block_and_inputs_stay_put(tiny) -> None:
