@@ -34,9 +34,13 @@ from engine.step_metadata import first_visible
 
 logger = logging.getLogger(__name__)
 
-# Most KV tokens one padded step gathers (rows x width x page): bigger buckets run eagerly, so
-# the largest graph's gather buffers stay bounded (32 rows of 4,096 tokens).
-MAX_PADDED_TOKENS = 2**17
+# Most bytes of K and V one padded step gathers for a layer (rows x width x page tokens): a
+# bigger bucket runs piecewise (engine/piecewise_graphs.py), so that the largest whole-step
+# graph's gather, which its memory pool holds, stays small beside the activation reserve.
+# 256 MiB is 2^17 tokens of a grouped-query 1B (8 KV heads of 64 in bf16: 2 KiB a token), the
+# bound measured on an H100 (graphs beat eager steps up to it); a 7B without grouped-query
+# attention (32 of 128: 16 KiB) gets 2^14 tokens, where 2^17 would take 2 GiB of a 24 GB GPU.
+MAX_PADDED_GATHER_BYTES = 256 << 20
 
 
 # Most token rows a padded step covers (vLLM's largest capture size). Every step the token
@@ -89,6 +93,8 @@ class PaddedDecode:
         # many prompt rows the step has; padded with row 0
         self.max_sampled = max_sampled or max_batch
         self.layer_caches = layer_caches  # each layer's [2, slots, Hkv, D]
+        cache = layer_caches[0]
+        self.token_bytes = cache[:, 0].numel() * cache.element_size()  # a token's K and V
         self.layout = layout
         self.page_size = page_size
         self.batch_buckets = batch_buckets(max_batch)
@@ -117,7 +123,8 @@ class PaddedDecode:
 
     def bucket(self, batch_size: int, width: int) -> tuple[int, int] | None:
         b, w = bucket_for(batch_size, self.batch_buckets), bucket_for(width, self.width_buckets)
-        if b is None or w is None or b * w * self.page_size > MAX_PADDED_TOKENS:
+        if b is None or w is None or b * w * self.page_size * self.token_bytes > (
+                MAX_PADDED_GATHER_BYTES):
             return None
         return b, w
 

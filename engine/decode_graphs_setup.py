@@ -103,8 +103,8 @@ def capture_within_memory(runner: ModelRunner, max_rows: int, max_model_len: int
                           ) -> tuple[PaddedDecode, int, float]:
     """Capture and check the graphs of steps up to `max_rows` tokens; where the device runs out
     of memory, try half as many rows, down to `floor` (default: the decode batch), and say so.
-    Fewer rows mean smaller gathers only while rows x max_model_len stays under
-    MAX_PADDED_TOKENS. → (padded, graph count, logit error)."""
+    Fewer rows mean smaller gathers only while rows x max_model_len tokens of K and V stay
+    under MAX_PADDED_GATHER_BYTES. → (padded, graph count, logit error)."""
     floor = floor or min(max_rows, max_seqs or max_rows)
     rows = max_rows
     while True:

@@ -1,14 +1,14 @@
 """Steps too wide for a whole-step graph, run as CUDA graphs cut at every attention call.
 
 A whole-step graph (engine/decode_graphs.py) gathers each token row's context for attention, so
-its buckets stop at MAX_PADDED_TOKENS of rows x context: a 512-token chunk of a long prompt runs
-eagerly, host-bound (~15 ms for a 1B on an H100 against ~3 ms for a graphed decode step). Here
-such a step is padded to a row bucket over static inputs and runs as one graph per stretch of
-work between attention calls (embedding, norms, projections, RoPE, the KV store, MLPs,
-logits: everything that treats each token on its own) with attention run eagerly between them,
-on the real rows, with the step's own metadata (vLLM's piecewise graphs, its default mode's
-fallback). Padding rows write only the scratch slot and attend to nothing (their output is
-zeros); only the sampled rows' logits are read.
+its buckets stop at MAX_PADDED_GATHER_BYTES of rows x context: a 512-token chunk of a long
+prompt ran eagerly, host-bound (~15 ms for a 1B on an H100 against ~3 ms for a graphed decode
+step). Here such a step is padded to a row bucket over static inputs and runs as one graph per
+stretch of work between attention calls (embedding, norms, projections, RoPE, the KV store,
+MLPs, logits: everything that treats each token on its own) with attention run eagerly between
+them, on the real rows, with the step's own metadata (vLLM's piecewise graphs, its default
+mode's fallback). Padding rows write only the scratch slot and attend to nothing (their output
+is zeros); only the sampled rows' logits are read.
 
 The same padded pieces run eagerly on CPU, which is how CI proves them (the cut is where the
 real attention runs); on CUDA they are captured after the whole-step graphs and checked against

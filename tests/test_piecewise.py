@@ -7,6 +7,7 @@ torch.cuda's graph API; on a GPU the pieces are captured and compared with eager
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from engine import decode_graphs
 from engine.decode_graphs_setup import check_piecewise
 from engine.piecewise_graphs import PiecewiseStep
 from tests import test_padded_decode
-from tests.engine_harness import Req, drive, greedy, make_engine
+from tests.engine_harness import MAX_MODEL_LEN, Req, drive, greedy, make_engine
 from tests.test_padded_decode import STRATEGIES, padded_engine, requests
 
 tiny = test_padded_decode.tiny  # the same models and references (llama, mistral, gemma3)
@@ -58,8 +59,9 @@ def test_steps_past_the_gather_bound_run_piecewise_beside_whole_step_graphs(
     """With whole-step graphs bounded at 64 gathered tokens, decode steps take them and steps
     with prompts (rows x context past 64) run piecewise; steps past the row buckets eagerly."""
     path, prompts, new_tokens, refs = tiny
-    monkeypatch.setattr(decode_graphs, "MAX_PADDED_TOKENS", 64)
     engine, calls = padded_engine(path, "paged", max_num_batched_tokens=16)
+    monkeypatch.setattr(decode_graphs, "MAX_PADDED_GATHER_BYTES",
+                        64 * engine.runner.padded_decode.token_bytes)
     piecewise = engine.runner.enable_piecewise(16, engine.config.max_num_seqs)
     runner, paths = engine.runner, []
     execute = runner.execute
@@ -150,6 +152,32 @@ def test_padded_decode_on_cpu_runs_piecewise_too_unless_experts_or_eager(tmp_pat
     assert make_engine(experts, "paged", padded_decode_on_cpu=True).runner.piecewise is None
 
 
+def kv_bytes_per_token(path, element_size: int) -> int:
+    """A token's K and V in one layer of the model at `path`."""
+    config = json.loads((path / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config.get("num_key_value_heads", heads) * head_dim * element_size
+
+
+def test_whole_step_graphs_are_bounded_by_the_bytes_they_gather(tiny) -> None:
+    """The largest whole-step bucket gathers at most MAX_PADDED_GATHER_BYTES of K and V per
+    layer: a model with 8x the KV bytes per token gets an eighth of the tokens."""
+    path, _, _, _ = tiny
+    engine, _ = padded_engine(path, "paged", max_model_len=MAX_MODEL_LEN)
+    padded = engine.runner.padded_decode
+    assert padded.token_bytes == kv_bytes_per_token(path, element_size=4)
+    limit = decode_graphs.MAX_PADDED_GATHER_BYTES
+    for rows, width in padded.all_buckets():
+        assert rows * width * padded.page_size * padded.token_bytes <= limit
+    widest = padded.width_buckets[-1]
+    # as if each token's K and V were so large that two rows of the widest context fill it
+    padded.token_bytes = limit // (2 * widest * padded.page_size)
+    assert padded.fits(2, widest) and not padded.fits(3, widest)  # bucket 4: 2x the bytes
+    assert padded.fits(4, 2) and not padded.fits(4, widest)  # fewer pages, more rows
+
+
 class FakeGraph:
     """torch.cuda.CUDAGraph's capture API on CPU: the forward runs for real while 'captured';
     a replay only logs itself (what the bookkeeping is checked by)."""
@@ -230,7 +258,8 @@ def test_piecewise_cuda_graphs_are_captured_checked_and_exact(tiny, batching,
     path, prompts, new_tokens, _ = tiny
     eager = requests(prompts, new_tokens)
     drive(make_engine(path, batching, device="cuda", enforce_eager=True), eager)
-    monkeypatch.setattr(decode_graphs, "MAX_PADDED_TOKENS", 64)
+    monkeypatch.setattr(decode_graphs, "MAX_PADDED_GATHER_BYTES",
+                        64 * kv_bytes_per_token(path, element_size=4))  # the tests' float32
     engine = make_engine(path, batching, device="cuda")
     piecewise = engine.runner.piecewise
     assert piecewise is not None and piecewise.graphs, "no piecewise graph was captured"
