@@ -64,20 +64,26 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
                 "tokens) captured and checked in %.1f s; max logit difference to eager %.3g", count,
                 padded.batch_buckets, padded.width_buckets[-1], padded.page_size,
                 time.monotonic() - started, error)
-    if piecewise:
-        prepare_piecewise_graphs(runner, padded.batch_buckets[-1], max_seqs or max_rows)
+    # Row buckets some of whose steps pass the gather bound: a smaller one's steps all fit
+    widest = padded.width_buckets[-1]
+    needed = [b for b in padded.batch_buckets if padded.bucket(b, widest) is None]
+    if piecewise and needed:
+        prepare_piecewise_graphs(runner, padded.batch_buckets[-1], max_seqs or max_rows,
+                                 needed)
     return True
 
 
-def prepare_piecewise_graphs(runner: ModelRunner, max_rows: int, max_seqs: int) -> bool:
-    """Piecewise graphs (engine/piecewise_graphs.py) for the steps of up to `max_rows` tokens
-    that whole-step graphs leave out (their gather bound), checked against eager; on failure
-    or disagreement, log why and run those steps eagerly. Returns whether they are on."""
+def prepare_piecewise_graphs(runner: ModelRunner, max_rows: int, max_seqs: int,
+                             buckets: list[int]) -> bool:
+    """Piecewise graphs (engine/piecewise_graphs.py) of the row `buckets` whose steps may
+    pass the whole-step graphs' gather bound (steps of up to `max_rows` tokens), checked
+    against eager; on failure or disagreement, log why and run those steps eagerly. Returns
+    whether they are on."""
     started = time.monotonic()
     piecewise = runner.enable_piecewise(max_rows, max_seqs)
     try:
         with _stream_restored():
-            count = piecewise.capture(runner.spec.vocab_size)
+            count = piecewise.capture(runner.spec.vocab_size, buckets)
         error = check_piecewise(runner)
         failure = None
     except Exception as err:  # capture unsupported here, or the pieces disagree with eager
@@ -91,9 +97,9 @@ def prepare_piecewise_graphs(runner: ModelRunner, max_rows: int, max_seqs: int) 
         logger.warning("piecewise CUDA graphs are off: steps that whole-step graphs do not "
                        "cover run eagerly (%s)", failure)
         return False
-    logger.info("piecewise CUDA graphs: %d pieces for steps of up to %d tokens that whole-step "
-                "graphs do not cover (cut at each attention call), captured and checked in "
-                "%.1f s; max logit difference to eager %.3g", count, max_rows,
+    logger.info("piecewise CUDA graphs: %d pieces for the steps whole-step graphs do not cover "
+                "(cut at each attention call; token-row buckets %s), captured and checked in "
+                "%.1f s; max logit difference to eager %.3g", count, buckets,
                 time.monotonic() - started, error)
     return True
 

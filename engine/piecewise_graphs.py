@@ -167,10 +167,11 @@ class PiecewiseStep:
         pieces.graphs[-1].replay()
         return pieces.logits
 
-    def capture(self, vocab_size: int) -> int:
-        """Capture every bucket's pieces, largest first, in one memory pool; returns how many
-        graphs. Attention reads and writes two static buffers shared by every call (each is
-        used between one piece and the next); a failed capture is ended and raises."""
+    def capture(self, vocab_size: int, buckets: list[int] | None = None) -> int:
+        """Capture the pieces of `buckets` (default: every row bucket), largest first, in one
+        memory pool; returns how many graphs. Attention reads and writes two static buffers
+        shared by every call (each is used between one piece and the next); a failed capture
+        is ended and raises. A bucket left out runs its pieces eagerly."""
         device = self.layer_caches[0].device
         logits_out = torch.empty(self.max_sampled, vocab_size, device=device)
         self.inputs.copy_(self.pad_rows.expand_as(self.inputs))  # warm-up rows: scratch only
@@ -179,7 +180,7 @@ class PiecewiseStep:
         side.wait_stream(main)
         try:
             with torch.inference_mode(), torch.cuda.stream(side):
-                for bucket in reversed(self.buckets):
+                for bucket in sorted(buckets or self.buckets, reverse=True):
                     self._capture_bucket(bucket, capture, logits_out)
         except BaseException:
             capture.abort()

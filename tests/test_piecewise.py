@@ -223,8 +223,8 @@ def test_a_capture_cuts_one_graph_per_attention_call_and_replays_them_in_turn(
     path, _, _, _ = tiny
     engine, piecewise = piecewise_engine(path, "paged", rows=16)
     layers = len(engine.runner.layer_caches)
-    count = piecewise.capture(engine.runner.spec.vocab_size)
-    assert sorted(piecewise.graphs) == [1, 2, 4, 8, 16] and count == 5 * (layers + 1)
+    count = piecewise.capture(engine.runner.spec.vocab_size, [4, 16])  # the buckets asked for
+    assert sorted(piecewise.graphs) == [4, 16] and count == 2 * (layers + 1)
     assert len({g.pool() for g in fake_cuda_graphs.live}) == 1  # one pool for them all
     layout = engine.runner.layout
     for bucket, pieces in piecewise.graphs.items():
@@ -247,6 +247,11 @@ def test_a_capture_cuts_one_graph_per_attention_call_and_replays_them_in_turn(
     assert piecewise.replayed and fake_cuda_graphs.log == list(pieces.graphs)
     assert attended == [(i + 1, 3) for i in range(layers)]  # after piece i, 3 real rows
     assert not out[3:].any()  # padding rows' attention is zero, as in the eager pieces
+    fake_cuda_graphs.log.clear()
+    with torch.inference_mode():  # 7 rows: bucket 8, not captured, runs its pieces eagerly
+        piecewise.run(torch.zeros(2 + layout.num_tables, 7, dtype=torch.long), meta,
+                      torch.tensor([6]))
+    assert not piecewise.replayed and not fake_cuda_graphs.log
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
