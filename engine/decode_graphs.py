@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 # bound measured on an H100 (graphs beat eager steps up to it); a 7B without grouped-query
 # attention (32 of 128: 16 KiB) gets 2^14 tokens, where 2^17 would take 2 GiB of a 24 GB GPU.
 MAX_PADDED_GATHER_BYTES = 256 << 20
+# Where no piecewise graphs take the steps past it (tensor parallelism, expert models), a
+# bucket may still gather this many tokens, the bound before it was counted in bytes: such a
+# step would otherwise run eagerly, host-bound.
+MAX_PADDED_TOKENS_ALONE = 2**17
 
 
 # Most token rows a padded step covers (vLLM's largest capture size). Every step the token
@@ -86,7 +90,8 @@ class PaddedDecode:
 
     def __init__(self, model, layer_caches: Sequence[torch.Tensor], layout: KVLayout,
                  scratch_slot: int, page_size: int, max_batch: int, max_pages: int,
-                 prompt_rows: bool = True, max_sampled: int | None = None) -> None:
+                 prompt_rows: bool = True, max_sampled: int | None = None,
+                 pieces_follow: bool = True) -> None:
         self.model = model
         self.prompt_rows = prompt_rows  # whether steps with prompt tokens run padded too
         # rows whose logits a step computes: one per sequence at most (max_num_seqs), however
@@ -95,6 +100,10 @@ class PaddedDecode:
         self.layer_caches = layer_caches  # each layer's [2, slots, Hkv, D]
         cache = layer_caches[0]
         self.token_bytes = cache[:, 0].numel() * cache.element_size()  # a token's K and V
+        # the most K and V bytes a bucket gathers per layer; `pieces_follow`: piecewise graphs
+        # take the steps past it
+        self.gather_limit = MAX_PADDED_GATHER_BYTES if pieces_follow else max(
+            MAX_PADDED_GATHER_BYTES, MAX_PADDED_TOKENS_ALONE * self.token_bytes)
         self.layout = layout
         self.page_size = page_size
         self.batch_buckets = batch_buckets(max_batch)
@@ -124,7 +133,7 @@ class PaddedDecode:
     def bucket(self, batch_size: int, width: int) -> tuple[int, int] | None:
         b, w = bucket_for(batch_size, self.batch_buckets), bucket_for(width, self.width_buckets)
         if b is None or w is None or b * w * self.page_size * self.token_bytes > (
-                MAX_PADDED_GATHER_BYTES):
+                self.gather_limit):
             return None
         return b, w
 

@@ -34,7 +34,8 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     if runner.device.type != "cuda":
         if not padded_on_cpu or enforce_eager:
             return False
-        padded = runner.enable_padded_decode(max_rows, max_model_len, prompt_rows, max_seqs)
+        padded = runner.enable_padded_decode(max_rows, max_model_len, prompt_rows, max_seqs,
+                                             piecewise)
         error = check_padded_decode(runner)
         logger.info("padded decode on CPU (no graphs): batch buckets %s; max logit difference "
                     "to eager %.3g", padded.batch_buckets, error)
@@ -50,7 +51,7 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     try:
         with _stream_restored():
             captured = capture_within_memory(runner, max_rows, max_model_len, prompt_rows,
-                                             max_seqs, floor)
+                                             max_seqs, floor, piecewise)
     except Exception as err:  # capture unsupported here, or the graphs disagree with eager
         logger.warning("CUDA graphs are off, every step runs eagerly: %s", err)
         captured = None
@@ -105,8 +106,8 @@ def prepare_piecewise_graphs(runner: ModelRunner, max_rows: int, max_seqs: int,
 
 
 def capture_within_memory(runner: ModelRunner, max_rows: int, max_model_len: int,
-                          prompt_rows: bool, max_seqs: int | None, floor: int | None = None
-                          ) -> tuple[PaddedDecode, int, float]:
+                          prompt_rows: bool, max_seqs: int | None, floor: int | None = None,
+                          pieces_follow: bool = True) -> tuple[PaddedDecode, int, float]:
     """Capture and check the graphs of steps up to `max_rows` tokens; where the device runs out
     of memory, try half as many rows, down to `floor` (default: the decode batch), and say so.
     Fewer rows mean smaller gathers only while rows x max_model_len tokens of K and V stay
@@ -114,7 +115,8 @@ def capture_within_memory(runner: ModelRunner, max_rows: int, max_model_len: int
     floor = floor or min(max_rows, max_seqs or max_rows)
     rows = max_rows
     while True:
-        padded = runner.enable_padded_decode(rows, max_model_len, prompt_rows, max_seqs)
+        padded = runner.enable_padded_decode(rows, max_model_len, prompt_rows, max_seqs,
+                                             pieces_follow)
         try:
             count = capture_cuda_graphs(padded, runner.spec.vocab_size)
             return padded, count, check_padded_decode(runner)
@@ -171,12 +173,18 @@ def check_piecewise(runner: ModelRunner) -> float:
     assert piecewise is not None, "enable_piecewise() first"
     small = _synthetic_step(runner, lambda rows, _: piecewise.fits(rows),
                             piecewise.max_sampled, prompt_rows=True)
-    # and a prompt as long as the largest bucket allows: the steps this path is for
-    largest = min(piecewise.buckets[-1], runner.spec.max_position_embeddings,
-                  runner.scratch_slot // runner.block_size // runner.layout.num_tables
-                  * runner.block_size)
-    error = max(_against_eager(runner, batch, lambda b=batch: runner.piecewise_logits(
-        *runner.stage(b)[:2])) for batch in (small, _prompt_step(runner, largest)))
+    # and a prompt of as many tokens as the largest (captured) bucket the pool and the
+    # positions allow: the steps this path is for, replaying their graphs where captured
+    room = min(runner.spec.max_position_embeddings,
+               runner.scratch_slot // runner.block_size // runner.layout.num_tables
+               * runner.block_size)
+    fitting = [b for b in (sorted(piecewise.graphs) or piecewise.buckets) if b <= room]
+    assert fitting, f"no piecewise bucket fits the start-up check's {room} tokens of room"
+    error = 0.0
+    for batch in (small, _prompt_step(runner, fitting[-1])):
+        error = max(error, _against_eager(runner, batch, lambda b=batch: runner.piecewise_logits(
+            *runner.stage(b)[:2])))
+    assert piecewise.replayed or not piecewise.graphs, "the check replayed no captured piece"
     limit = LOGIT_TOLERANCE[runner.kv_cache.dtype]
     assert error <= limit, f"piecewise steps differ from eager by {error:.3g} (> {limit:g})"
     return error

@@ -92,15 +92,15 @@ class RequestHandle:
     def all_events(self) -> list[tuple[TokenEvent, float]]:
         """Every event with the monotonic time it was delivered, once the final one has come:
         a reader that needs the whole answer (a non-streaming request) is woken for the end
-        alone (and for cancel checks), not for each token as events() is. Not after events()."""
+        alone (and for cancel checks), not for each token as events() is."""
         poll = _POLL_SECONDS if self._cancel_check is None else CANCEL_CHECK_SECONDS
         self.check_cancel()  # at once: a client may leave before it is scheduled
         while not self._final.wait(poll):
             self.check_cancel()
             if not self.events_may_come():
                 break
-        events = self.take_ready()
-        times = self._delivered_at[:len(events)]
+        events = self.take_ready()  # the last ones delivered (events() may have taken some)
+        times = self._delivered_at[len(self._delivered_at) - len(events):]
         if not events or not events[-1].finished:  # the output thread stopped without it
             events.append(self.end_unserved())
             times.append(time.monotonic())

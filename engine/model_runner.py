@@ -89,14 +89,16 @@ class ModelRunner:
         self._carry: tuple[SampledRows, dict[int, int]] | None = None
 
     def enable_padded_decode(self, max_rows: int, max_model_len: int, prompt_rows: bool = True,
-                             max_seqs: int | None = None) -> PaddedDecode:
+                             max_seqs: int | None = None,
+                             pieces_follow: bool = True) -> PaddedDecode:
         """Run steps of up to `max_rows` tokens padded to row and width buckets over static
         buffers (what CUDA graphs replay; engine/decode_graphs.py): pure decode steps, and
-        steps with prompt tokens too where `prompt_rows`; logits for up to `max_seqs` rows."""
+        steps with prompt tokens too where `prompt_rows`; logits for up to `max_seqs` rows;
+        `pieces_follow`: piecewise graphs take the steps past the gather bound."""
         max_pages = -(-max_model_len // self.page_size)
         self.padded_decode = PaddedDecode(self.model, self.layer_caches, self.layout,
                                           self.scratch_slot, self.page_size, max_rows,
-                                          max_pages, prompt_rows, max_seqs)
+                                          max_pages, prompt_rows, max_seqs, pieces_follow)
         return self.padded_decode
 
     def enable_piecewise(self, max_rows: int, max_seqs: int) -> PiecewiseStep:

@@ -180,7 +180,8 @@ class PiecewiseStep:
         side.wait_stream(main)
         try:
             with torch.inference_mode(), torch.cuda.stream(side):
-                for bucket in sorted(buckets or self.buckets, reverse=True):
+                for bucket in sorted(self.buckets if buckets is None else buckets,
+                                     reverse=True):
                     self._capture_bucket(bucket, capture, logits_out)
         except BaseException:
             capture.abort()

@@ -60,8 +60,8 @@ def test_steps_past_the_gather_bound_run_piecewise_beside_whole_step_graphs(
     with prompts (rows x context past 64) run piecewise; steps past the row buckets eagerly."""
     path, prompts, new_tokens, refs = tiny
     engine, calls = padded_engine(path, "paged", max_num_batched_tokens=16)
-    monkeypatch.setattr(decode_graphs, "MAX_PADDED_GATHER_BYTES",
-                        64 * engine.runner.padded_decode.token_bytes)
+    padded = engine.runner.padded_decode
+    padded.gather_limit = 64 * padded.token_bytes
     piecewise = engine.runner.enable_piecewise(16, engine.config.max_num_seqs)
     runner, paths = engine.runner, []
     execute = runner.execute
@@ -169,6 +169,7 @@ def test_whole_step_graphs_are_bounded_by_the_bytes_they_gather(tiny) -> None:
     padded = engine.runner.padded_decode
     assert padded.token_bytes == kv_bytes_per_token(path, element_size=4)
     limit = decode_graphs.MAX_PADDED_GATHER_BYTES
+    assert padded.gather_limit == limit
     for rows, width in padded.all_buckets():
         assert rows * width * padded.page_size * padded.token_bytes <= limit
     widest = padded.width_buckets[-1]
@@ -176,6 +177,10 @@ def test_whole_step_graphs_are_bounded_by_the_bytes_they_gather(tiny) -> None:
     padded.token_bytes = limit // (2 * widest * padded.page_size)
     assert padded.fits(2, widest) and not padded.fits(3, widest)  # bucket 4: 2x the bytes
     assert padded.fits(4, 2) and not padded.fits(4, widest)  # fewer pages, more rows
+    # without pieces to take the rest (tensor parallelism, expert models), the old 2^17 tokens
+    alone = engine.runner.enable_padded_decode(16, MAX_MODEL_LEN, pieces_follow=False)
+    assert alone.gather_limit == max(limit, decode_graphs.MAX_PADDED_TOKENS_ALONE
+                                     * alone.token_bytes)
 
 
 class FakeGraph:
@@ -271,6 +276,8 @@ def test_piecewise_cuda_graphs_are_captured_checked_and_exact(tiny, batching,
     replayed = []
     replay = piecewise._replay
     piecewise._replay = lambda *args: replayed.append(args[2]) or replay(*args)
+    steps = piecewise.steps
     reqs = requests(prompts, new_tokens)
     drive(engine, reqs)
     assert [r.tokens for r in reqs] == [r.tokens for r in eager] and replayed
+    assert piecewise.steps - steps == len(replayed)  # every piecewise step replayed its graphs
