@@ -54,10 +54,10 @@ def test_piecewise_steps_equal_the_plain_path_for_sampled_rows(tiny, batching) -
     assert [r.tokens for r in pieced] == [r.tokens for r in plain] and piecewise.steps
 
 
-def test_steps_past_the_gather_bound_run_piecewise_beside_whole_step_graphs(
-        tiny, monkeypatch) -> None:
+def test_steps_past_the_gather_bound_run_piecewise_beside_whole_step_graphs(tiny) -> None:
     """With whole-step graphs bounded at 64 gathered tokens, decode steps take them and steps
-    with prompts (rows x context past 64) run piecewise; steps past the row buckets eagerly."""
+    with prompts (rows x context past 64) run piecewise; none of these 16-token steps runs
+    eagerly."""
     path, prompts, new_tokens, refs = tiny
     engine, calls = padded_engine(path, "paged", max_num_batched_tokens=16)
     padded = engine.runner.padded_decode
