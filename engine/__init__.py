@@ -10,6 +10,7 @@ from engine.client import EngineClient
 from engine.config import (
     ATTENTION_BACKENDS,
     BATCHING_STRATEGIES,
+    CUDAGRAPH_MODES,
     DEVICES,
     DTYPES,
     LINEAR_BACKENDS,
@@ -30,7 +31,8 @@ from engine.sampling_params import MAX_TOP_LOGPROBS, RequestError, SamplingParam
 from engine.sequence import FinishReason
 
 __all__ = [
-    "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "CANCEL_CHECK_SECONDS", "DEVICES", "DTYPES",
+    "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "CANCEL_CHECK_SECONDS", "CUDAGRAPH_MODES",
+    "DEVICES", "DTYPES",
     "LINEAR_BACKENDS",
     "MAX_TOP_LOGPROBS", "MODEL_IMPLS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
     "CoreAddress", "CoreServer", "EngineClient", "EngineConfig", "EngineDeadError",

@@ -15,6 +15,9 @@ LINEAR_BACKENDS = ("auto", "tiled", "onednn", "aten")
 # Who implements the model (vLLM's --model-impl): batchyard's native modules where the
 # architecture has them, or transformers' own modules on batchyard's KV pool.
 MODEL_IMPLS = ("auto", "native", "transformers")
+# vLLM's CUDAGraphMode names: whole-step graphs, plus piecewise graphs for the steps past their
+# gather bound (engine/piecewise_graphs.py); whole-step graphs alone; none (enforce_eager)
+CUDAGRAPH_MODES = ("full_and_piecewise", "full", "none")
 # Weight-only quantization applied at load (engine/models/int8_linear.py).
 QUANTIZATIONS = ("int8",)
 
@@ -49,6 +52,8 @@ class EngineConfig:
     linear_backend: str = "auto"
     # Run every step eagerly: no CUDA graphs for decode (the vLLM / LMI key).
     enforce_eager: bool = False
+    # Which CUDA graphs (CUDAGRAPH_MODES); "none" is enforce_eager.
+    cudagraph_mode: str = "full_and_piecewise"
     # CI's stand-in for CUDA graphs: on CPU too, pure decode steps run padded to the graphs'
     # buckets over their static buffers, checked at start-up (slower on CPU; for tests).
     padded_decode_on_cpu: bool = False
@@ -98,6 +103,8 @@ class EngineConfig:
                "> 0 seconds")
         _check(self.model_impl in MODEL_IMPLS, "model_impl", self.model_impl,
                f"one of {', '.join(MODEL_IMPLS)}")
+        _check(self.cudagraph_mode in CUDAGRAPH_MODES, "cudagraph_mode", self.cudagraph_mode,
+               f"one of {', '.join(CUDAGRAPH_MODES)}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a fraction in (0, 1]")
 

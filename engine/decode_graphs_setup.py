@@ -44,7 +44,8 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
             check_piecewise(runner)
         return True
     if enforce_eager:
-        logger.info("CUDA graphs off (option.enforce_eager=true): every step runs eagerly")
+        logger.info("CUDA graphs off (option.enforce_eager=true or option.cudagraph_mode=none): "
+                    "every step runs eagerly")
         return False
     started = time.monotonic()
     floor = None if shrink_on_oom else max_rows

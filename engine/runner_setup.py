@@ -85,12 +85,15 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
         runner.sampler.greedy = ops.greedy if ops is not None else None
     if hasattr(model, "use_dense_moe_decode"):  # expert models: graph-safe decode on GPUs
         model.use_dense_moe_decode(device.type == "cuda" or config.padded_decode_on_cpu)
-    eager = config.enforce_eager or not getattr(model, "graph_safe", True)
+    eager = (config.enforce_eager or config.cudagraph_mode == "none"
+             or not getattr(model, "graph_safe", True))
     prompt_rows = getattr(model, "pads_prompt_rows", True)
     rows = graph_rows(config.max_num_seqs, step_tokens) if prompt_rows else config.max_num_seqs
     graphs = prepare_decode_graphs(runner, eager, rows, max_model_len,
                                    config.padded_decode_on_cpu, prompt_rows, config.max_num_seqs,
-                                   shrink_on_oom=comm is None, piecewise=comm is None)
+                                   shrink_on_oom=comm is None,
+                                   piecewise=comm is None
+                                   and config.cudagraph_mode == "full_and_piecewise")
     # a collective, so every rank asks, whatever its own answer
     if comm is not None and not comm.agree_all(graphs) and graphs:
         logger.warning("CUDA graphs off: another tensor-parallel rank could not use them")

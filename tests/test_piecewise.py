@@ -147,6 +147,11 @@ def test_padded_decode_on_cpu_runs_piecewise_too_unless_experts_or_eager(tmp_pat
     assert make_engine(dense, "paged").runner.piecewise is None
     assert make_engine(dense, "paged", padded_decode_on_cpu=True,
                        enforce_eager=True).runner.piecewise is None
+    full = make_engine(dense, "paged", padded_decode_on_cpu=True, cudagraph_mode="full").runner
+    assert full.padded_decode is not None and full.piecewise is None  # whole-step graphs alone
+    assert full.padded_decode.gather_limit >= decode_graphs.MAX_PADDED_GATHER_BYTES
+    none = make_engine(dense, "paged", padded_decode_on_cpu=True, cudagraph_mode="none").runner
+    assert none.padded_decode is None and none.piecewise is None
     experts = build_tiny_model(tmp_path / "moe", arch="mixtral")
     # an expert model's prompt rows are not padded (routing reads the host): no pieces either
     assert make_engine(experts, "paged", padded_decode_on_cpu=True).runner.piecewise is None

@@ -97,6 +97,7 @@ def test_rolling_batch_with_batch_size_is_an_error() -> None:
     ("option.max_model_len=0", "option.max_model_len='0'"),
     ("option.linear_backend=blas", "option.linear_backend='blas'"),
     ("option.async_scheduling=yes", "option.async_scheduling='yes'"),
+    ("option.cudagraph_mode=piecewise", "option.cudagraph_mode='piecewise'"),
     ("option.api_server_count=0", "option.api_server_count='0'"),
     ("option.api_server_count=65", "option.api_server_count='65'"),
     ("option.api_server_count=2\noption.engine_process=false", "option.api_server_count='2'"),
@@ -143,6 +144,8 @@ def test_sizes_and_types() -> None:
     assert resolve("").engine.async_scheduling is None  # auto: on with CUDA
     assert resolve("option.async_scheduling=true").engine.async_scheduling is True
     assert resolve("option.async_scheduling=FALSE").engine.async_scheduling is False
+    assert resolve("").engine.cudagraph_mode == "full_and_piecewise"  # vLLM's default mode
+    assert resolve("option.cudagraph_mode=FULL").engine.cudagraph_mode == "full"
 
 
 def test_unknown_keys_warn_and_lmi_no_op_keys_say_why(caplog) -> None:

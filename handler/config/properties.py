@@ -36,7 +36,7 @@ ENGINE_KEYS = {
     "device", "max_request_size", "seed", "attention_backend", "linear_backend",
     "enforce_eager", "engine_process", "entryPoint", "handler", "input_formatter",
     "output_formatter", "tgi_compat", "quantize", "drain_timeout", "model_impl",
-    "async_scheduling", "api_server_count", "api_server_nice",
+    "async_scheduling", "api_server_count", "api_server_nice", "cudagraph_mode",
 } | ROLLING_KEYS
 # LMI's camelCase keys; env names arrive lower-cased (OPTION_ENTRYPOINT → option.entrypoint).
 CAMEL_CASE = {k.lower(): k for k in ("entryPoint", "maxWorkers", "minWorkers")}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine import (
     ATTENTION_BACKENDS,
+    CUDAGRAPH_MODES,
     DEVICES,
     LINEAR_BACKENDS,
     MODEL_IMPLS,
@@ -143,6 +144,8 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
                                        set(ATTENTION_BACKENDS)),
             linear_backend=r.choice("option.linear_backend", "auto", set(LINEAR_BACKENDS)),
             enforce_eager=r.flag("option.enforce_eager", False),
+            cudagraph_mode=r.choice("option.cudagraph_mode", "full_and_piecewise",
+                                    set(CUDAGRAPH_MODES)),
             async_scheduling={"auto": None, "true": True, "false": False}[
                 r.choice("option.async_scheduling", "auto", {"auto", "true", "false"})],
             quantize=read_quantize(r),
