@@ -29,6 +29,7 @@ from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_buffer import StepBuffer
 from engine.step_metadata import StepViews, describe_step
+from engine.step_pages import stage_decodes, stage_prefill_pages
 from engine.step_plan import StepPlan, pack_step, token_rows
 
 
@@ -223,11 +224,13 @@ class ModelRunner:
                    shape=(2 + len(plan.slots), len(plan.ids)))
         buffer.put("sample_rows", plan.sample_rows)
         page_spans: list[tuple[int, int]] = []
+        pages = self.page_size, self.block_size, self.layout.num_tables
+        window = self.spec.sliding_window
         if describe:
-            self._stage_decodes(plan.decodes)
-            page_spans = self._stage_prefill_pages(plan.prefills)
+            stage_decodes(buffer, plan.decodes, *pages, window)
+            page_spans = stage_prefill_pages(buffer, plan.prefills, *pages)
         else:  # the padded path: every token a row, a prompt chunk's as its own decode rows
-            self._stage_decodes(token_rows(plan))
+            stage_decodes(buffer, token_rows(plan), *pages, window)
         sampler_plan = self.sampler.stage(sampling, buffer) if sampling else None
         if plan.carried:
             buffer.put("carried", [[dst for dst, _ in plan.carried],
@@ -239,48 +242,6 @@ class ModelRunner:
         meta = self._metadata(views, plan.decodes, plan.prefills, page_spans) if describe \
             else None
         return views, meta, sampler_plan
-
-    def _pages(self, block_table: list[int], context: int) -> list[int]:
-        """Pages holding positions 0..context-1 (a page is page_size consecutive slots)."""
-        num_pages = -(-context // self.page_size)
-        per_block = self.block_size // self.page_size
-        if per_block == 1:
-            return block_table[:num_pages]
-        return [block_table[j // per_block] * per_block + j % per_block for j in range(num_pages)]
-
-    def _stage_decodes(self, decodes: list[tuple[int, list[list[int]], int]]) -> None:
-        if not decodes:
-            return
-        contexts = [ctx for _, _, ctx in decodes]
-        window = self.spec.sliding_window
-        lows = [0] * len(contexts) if window is None else [max(0, c - window) for c in contexts]
-        order = sorted(range(len(contexts)), key=contexts.__getitem__)
-        # [4, B]: packed row, context length, first visible position, rank by context
-        self.buffer.put("decode", [[row for row, _, _ in decodes], contexts, lows, order],
-                        shape=(4, len(decodes)))
-        width = -(-max(contexts) // self.page_size)
-        flat: list[int] = []  # [tables, B, width]: each row's pages per table, then page 0s
-        for t in range(self.layout.num_tables):
-            for _, tables, ctx in decodes:
-                pages = self._pages(tables[t], ctx)
-                flat += pages
-                flat += [0] * (width - len(pages))
-        self.buffer.put("decode_pages", flat, shape=(self.layout.num_tables, len(decodes), width))
-
-    def _stage_prefill_pages(self, prefills: list[tuple[int, int, list[list[int]], int]]
-                             ) -> list[tuple[int, int]]:
-        """All prefill rows' pages in one section, [tables, pages]; returns each row's (start,
-        end) in it."""
-        flat: list[list[int]] = [[] for _ in range(self.layout.num_tables)]
-        spans = []
-        for _, _, tables, ctx in prefills:
-            start = len(flat[0])
-            for table, table_pages in zip(tables, flat, strict=True):
-                table_pages += self._pages(table, ctx)
-            spans.append((start, len(flat[0])))
-        if prefills:
-            self.buffer.put("prefill_pages", flat, shape=(len(flat), len(flat[0])))
-        return spans
 
     def _metadata(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
                   page_spans: list[tuple[int, int]]) -> AttentionMetadata:
