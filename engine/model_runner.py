@@ -224,13 +224,13 @@ class ModelRunner:
                    shape=(2 + len(plan.slots), len(plan.ids)))
         buffer.put("sample_rows", plan.sample_rows)
         page_spans: list[tuple[int, int]] = []
-        pages = self.page_size, self.block_size, self.layout.num_tables
+        paging = self.page_size, self.block_size, self.layout.num_tables
         window = self.spec.sliding_window
         if describe:
-            stage_decodes(buffer, plan.decodes, *pages, window)
-            page_spans = stage_prefill_pages(buffer, plan.prefills, *pages)
+            stage_decodes(buffer, plan.decodes, *paging, window)
+            page_spans = stage_prefill_pages(buffer, plan.prefills, *paging)
         else:  # the padded path: every token a row, a prompt chunk's as its own decode rows
-            stage_decodes(buffer, token_rows(plan), *pages, window)
+            stage_decodes(buffer, token_rows(plan), *paging, window)
         sampler_plan = self.sampler.stage(sampling, buffer) if sampling else None
         if plan.carried:
             buffer.put("carried", [[dst for dst, _ in plan.carried],
