@@ -98,15 +98,19 @@ def test_padded_decode_equals_transformers_in_every_strategy(tiny, batching) -> 
         assert 3 in {rows for rows, _ in calls}
 
 
+def sampled_tokens(engine, prompts, new_tokens) -> list[list[int]]:
+    """The tokens `engine` gives the staggered requests, two of them sampled or penalised."""
+    reqs = requests(prompts, new_tokens, sampled=True)
+    drive(engine, reqs)
+    return [r.tokens for r in reqs]
+
+
 @pytest.mark.parametrize("batching", ["continuous", "paged"])
 def test_padded_decode_equals_the_plain_path_for_sampled_rows(tiny, batching) -> None:
     path, prompts, new_tokens, _ = tiny
-    plain = requests(prompts, new_tokens, sampled=True)
-    drive(make_engine(path, batching), plain)
+    plain = sampled_tokens(make_engine(path, batching), prompts, new_tokens)
     engine, calls = padded_engine(path, batching)
-    padded = requests(prompts, new_tokens, sampled=True)
-    drive(engine, padded)
-    assert [r.tokens for r in padded] == [r.tokens for r in plain] and calls
+    assert sampled_tokens(engine, prompts, new_tokens) == plain and calls
 
 
 @pytest.mark.parametrize("batching", ["continuous", "paged"])

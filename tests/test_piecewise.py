@@ -18,7 +18,7 @@ from engine.decode_graphs_setup import check_piecewise
 from engine.piecewise_graphs import PiecewiseStep
 from tests import test_padded_decode
 from tests.engine_harness import MAX_MODEL_LEN, Req, drive, greedy, make_engine
-from tests.test_padded_decode import STRATEGIES, padded_engine, requests
+from tests.test_padded_decode import STRATEGIES, padded_engine, requests, sampled_tokens
 
 tiny = test_padded_decode.tiny  # the same models and references (llama, mistral, gemma3)
 
@@ -46,12 +46,9 @@ def test_piecewise_steps_equal_transformers_in_every_strategy(tiny, batching) ->
 @pytest.mark.parametrize("batching", ["continuous", "paged"])
 def test_piecewise_steps_equal_the_plain_path_for_sampled_rows(tiny, batching) -> None:
     path, prompts, new_tokens, _ = tiny
-    plain = requests(prompts, new_tokens, sampled=True)
-    drive(make_engine(path, batching), plain)
+    plain = sampled_tokens(make_engine(path, batching), prompts, new_tokens)
     engine, piecewise = piecewise_engine(path, batching)
-    pieced = requests(prompts, new_tokens, sampled=True)
-    drive(engine, pieced)
-    assert [r.tokens for r in pieced] == [r.tokens for r in plain] and piecewise.steps
+    assert sampled_tokens(engine, prompts, new_tokens) == plain and piecewise.steps
 
 
 def test_steps_past_the_gather_bound_run_piecewise_beside_whole_step_graphs(tiny) -> None:
