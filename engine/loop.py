@@ -4,7 +4,6 @@ a thread (ThreadCore) or in a process of its own (ProcessCore)."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import queue
@@ -210,8 +209,7 @@ class EngineLoop:
 
     def gauges(self) -> Gauges:
         """The core's latest snapshot, with liveness and in-flight count now."""
-        return dataclasses.replace(self._gauges, alive=self.is_alive(),
-                                   num_in_flight=self.num_in_flight)
+        return self._gauges._replace(alive=self.is_alive(), num_in_flight=self.num_in_flight)
 
     def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
         """Queue validated requests, all or none; raises QueueFullError or EngineDeadError."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -39,9 +38,9 @@ class TokenEvent(NamedTuple):
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """Per-step facts for metrics: batch size, token split and KV occupancy."""
+class StepStats(NamedTuple):
+    """Per-step facts for metrics: batch size, token split and KV occupancy. A named tuple,
+    as Gauges: the core makes one every step and pickles it to the serving process."""
 
     num_seqs: int
     num_prefill_tokens: int
@@ -55,11 +54,11 @@ class StepStats:
     graph: bool = False  # the step replayed a CUDA graph (else it ran eagerly)
 
 
-@dataclass(frozen=True)
-class Gauges:
+class Gauges(NamedTuple):
     """The engine's state in one snapshot, for /ping, /metrics and the HTTP threads' CPU
     priority (handler/cpu_priority.py); taken on the loop thread before each batch of events
-    is handed out, so a finished request is already counted."""
+    is handed out, so a finished request is already counted. A named tuple: the core takes one
+    every step (~0.5 us to build; a frozen dataclass took ~1.3)."""
 
     alive: bool  # the loop runs and accepts work
     num_in_flight: int  # submitted and not yet finished (queued in the inbox included)
