@@ -110,7 +110,10 @@ class RequestHandle:
         the output thread drives through on_delivery() (a stream written without its request
         thread). events() then goes on after them."""
         ready: list[TokenEvent] = []
-        while (event := self.next_ready()) is not None:
+        events = self._events  # next_ready() inlined: the output thread calls this per stream
+        while not self.finished and not events.empty():
+            event = events.get_nowait()
+            self.finished = event.finish_reason is not None
             ready.append(event)
         return ready
 

@@ -116,7 +116,7 @@ class DirectWriter:
                 self.ended = self._handle.finished
             except Exception as err:  # a line maker's failure: the request thread raises it
                 self._error = err
-            data = b"".join(parts)
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
             sent = self._send(chunk(data)) if data else True
             if self.ended or self._error is not None or not sent:
                 self._handle.on_delivery(None)

@@ -229,8 +229,10 @@ class _Written:
         self.last = event
         if event.token_id is not None:
             self.times.append(time.monotonic())
-        error = final_error(event) if event.finished else None
-        if error is not None:
+        if event.finish_reason is None:
+            if type(line) is str:
+                return line
+        elif (error := final_error(event)) is not None:
             self.failed = self.failed or event
             line = {**error.body(), "error": error.message, "details": {"finish_reason": "error"}}
         return line if isinstance(line, str | bytes) else line_text(line, self.sse)
