@@ -8,6 +8,8 @@ headers first) and mean first token -> end. `--wake-at-end`: after the first tok
 is woken only by the end of the body (it still reads all of it), about what clients on other
 machines cost this host (docs/benchmark/cpu-2026-11-27-core-pipes/). `--no-stream`: one JSON
 body per request, as the LMI study's clients asked (docs/benchmark/cpu-2026-11-27-unstreamed/).
+`--keep-alive` (streams only): each client sends its requests over one kept connection, reading
+each body to its last chunk (docs/benchmark/cpu-2026-11-27-core-overhead/).
 
     python docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py --port 8080 \
         --model-dir /tmp/tiny320 -n 960
@@ -31,12 +33,24 @@ from benchmark.workloads import Lengths, synthetic_jobs
 WAKE_AT_END_BYTES = 1 << 15
 
 
+LAST_CHUNK = b"\r\n0\r\n\r\n"  # a chunked body's end
+
+
 async def one(port: int, body: bytes, times: list[tuple[float, float]],
-              wake_at_end: bool = False, stream: bool = True) -> int:
+              wake_at_end: bool = False, stream: bool = True,
+              kept: list | None = None) -> int:
+    """One request; `kept` (a list per client): reuse the connection it holds, or keep the new
+    one there, and read the streamed body to its last chunk instead of to the server's close."""
     start = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if kept:
+        reader, writer = kept
+    else:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        if kept is not None:
+            kept += [reader, writer]
+    close = b"" if kept is not None else b"Connection: close\r\n"
     writer.write(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+                 b"Content-Length: %d\r\n%b\r\n" % (len(body), close) + body)
     await writer.drain()
     if not stream:  # one JSON body at the end: its details list each token's "id"
         data = await reader.read()
@@ -53,14 +67,21 @@ async def one(port: int, body: bytes, times: list[tuple[float, float]],
     if wake_at_end:  # woken by the end of the body only (its FIN), not by every token's bytes
         writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT,
                                                    WAKE_AT_END_BYTES)
-    data += await reader.read()
-    writer.close()
+    if kept is not None:
+        while not data.endswith(LAST_CHUNK):
+            more = await reader.read(65536)
+            if not more:
+                raise ConnectionError("the server closed a kept connection mid-body")
+            data += more
+    else:
+        data += await reader.read()
+        writer.close()
     times.append((first_at - start, time.perf_counter() - first_at))
     return data.count(b'"token"')
 
 
 async def run(port: int, bodies: list[bytes], clients: int, wake_at_end: bool,
-              stream: bool) -> None:
+              stream: bool, keep_alive: bool) -> None:
     times: list[tuple[float, float]] = []
     await asyncio.gather(*[one(port, b, [], stream=stream)
                            for b in bodies[:clients]])  # warm-up, not timed
@@ -68,8 +89,9 @@ async def run(port: int, bodies: list[bytes], clients: int, wake_at_end: bool,
     counts: list[int] = []
 
     async def client() -> None:
+        kept: list | None = [] if keep_alive else None
         for body in todo:
-            counts.append(await one(port, body, times, wake_at_end, stream))
+            counts.append(await one(port, body, times, wake_at_end, stream, kept))
     start = time.perf_counter()
     await asyncio.gather(*[client() for _ in range(clients)])
     elapsed = time.perf_counter() - start
@@ -92,12 +114,17 @@ def main() -> None:
     parser.add_argument("--no-stream", action="store_true",
                         help="ask for one JSON body per request (\"stream\": false; its "
                         "first-token time is then the whole request's)")
+    parser.add_argument("--keep-alive", action="store_true",
+                        help="streams over one kept connection per client")
     args = parser.parse_args()
+    if args.keep_alive and (args.no_stream or args.wake_at_end):
+        parser.error("--keep-alive reads streams whole: not with --no-stream or --wake-at-end")
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     jobs = synthetic_jobs(args.n + args.c, Lengths.parse(args.prompt_tokens, "prompt"),
                           Lengths.parse(args.output_tokens, "output"), 0, tokenizer)
     bodies = [json.dumps(job.body(stream=not args.no_stream)).encode() for job in jobs]
-    asyncio.run(run(args.port, bodies, args.c, args.wake_at_end, not args.no_stream))
+    asyncio.run(run(args.port, bodies, args.c, args.wake_at_end, not args.no_stream,
+                    args.keep_alive))
 
 
 if __name__ == "__main__":
