@@ -229,13 +229,13 @@ class _Written:
         self.last = event
         if event.token_id is not None:
             self.times.append(time.monotonic())
-        if event.finish_reason is None:
-            if type(line) is str:
-                return line
-        elif (error := final_error(event)) is not None:
+        if event.finish_reason is not None and (error := final_error(event)) is not None:
             self.failed = self.failed or event
             line = {**error.body(), "error": error.message, "details": {"finish_reason": "error"}}
-        return line if isinstance(line, str | bytes) else line_text(line, self.sse)
+        # type() first: a plain token line is a str, and isinstance of a union costs more
+        if type(line) is str or isinstance(line, str | bytes):
+            return line
+        return line_text(line, self.sse)
 
 
 def _by_request_thread(lines: Lines, handle: RequestHandle | HandleGroup, written: _Written,
