@@ -6,19 +6,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def device_busy(engine, steps: int, top: int = 8
+def device_busy(work: Callable[[], object], steps: int, top: int = 8
                 ) -> tuple[float, tuple[tuple[str, float, float], ...]]:
-    """Kernel time per step on CUDA, from torch.profiler, without syncs inside the steps; and
-    the `top` kernels by device time (name, µs per step, launches per step). Device events
-    only: a host-side event's self device time repeats its kernels' (as torch's own table
-    sums it; before 2026-11-26 this summed both, so it may have counted kernels twice)."""
+    """Kernel time per step of `work` (which runs `steps` engine steps) on CUDA, from
+    torch.profiler, without syncs inside the steps; and the `top` kernels by device time
+    (name, µs per step, launches per step). Device events only: a host-side event's self
+    device time repeats its kernels' (as torch's own table sums it; before 2026-11-26 this
+    summed both, so it may have counted kernels twice)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
+        work()
         torch.cuda.synchronize()
     return kernel_time(prof.key_averages(), DeviceType.CUDA, steps, top)
 

@@ -6,7 +6,8 @@ measured twice. Once with a phase clock that (on CUDA) synchronizes at every pha
 each phase owns its device work: that gives the split. Once without, as served: that gives the
 step time, and on CUDA the device-busy time per step (torch.profiler's kernel time), whose
 ratio to the step is how host-bound the step is. Then "mixed" steps: one new prompt admitted
-beside the batch's decodes, the step continuous and paged batching take at every arrival.
+beside the batch's decodes, the step continuous and paged batching take at every arrival
+(on CUDA their device-busy time too, from a second pass).
 Each row says what share of its steps replayed a CUDA graph; with `prompt_tokens` (a synthetic
 prompt of that length) and `enforce_eager`, graphs and eager steps compare at long contexts.
 """
@@ -121,7 +122,8 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
 
     from engine import EngineConfig, LLMEngine
 
-    new_tokens = warmup + 4 * steps + 2  # decode steps: both passes, the profiler's, the mixed
+    # decode steps: both passes, the profiler's, the mixed steps' two passes
+    new_tokens = warmup + 5 * steps + 2
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if prompt_tokens is not None:
         prompt = synthetic_jobs(1, Lengths("fixed", prompt_tokens), Lengths("fixed", 1),
@@ -164,13 +166,19 @@ def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, s
         engine.step()
     decode = _phase_steps(engine, sync, is_prefill=False, count=steps)
     step_ms = _served_step_ms(engine, sync, steps)
-    busy, kernels = device_busy(engine, steps) if sync is not None else (None, ())
+    busy, kernels = (None, ())
+    if sync is not None:
+        busy, kernels = device_busy(lambda: [engine.step() for _ in range(steps)], steps)
     mixed = _mixed_steps(engine, prompt_ids, params, sync, steps)
+    mixed_busy = None
+    if sync is not None:  # a second pass: the profiler's callbacks would slow the one timed
+        mixed_busy, _ = device_busy(
+            lambda: _mixed_steps(engine, prompt_ids, params, None, steps), steps)
     for request_id in ids:
         engine.abort(request_id)
     return [_row("prefill", batch, prefill, None, None),
             replace(_row("decode", batch, decode, step_ms, busy), top_kernels=kernels),
-            _row("mixed", batch + 1, mixed, None, None)]
+            _row("mixed", batch + 1, mixed, None, mixed_busy)]
 
 
 def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None] | None,

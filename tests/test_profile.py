@@ -117,6 +117,27 @@ def test_a_prompt_longer_than_the_token_budget_is_profiled_by_its_first_chunk(tm
     assert (decode.tokens, mixed.kind, mixed.tokens) == (1, "mixed", 512)
 
 
+def test_on_a_device_decode_and_mixed_rows_carry_their_kernel_time(model_dir,
+                                                                   monkeypatch) -> None:
+    """Where a device sync exists (CUDA), the decode steps and a second pass of mixed steps
+    run under the kernel clock, `steps` engine steps each; prefill rows carry none. Stood in
+    on CPU by a no-op sync and a kernel clock that runs the work and counts its steps."""
+    passes = []
+
+    def kernel_clock(work, steps, top=8):
+        passes.append((steps, len(work())))
+        return 1.5 * len(passes), (("gemm", 900.0, 16.0),)
+
+    monkeypatch.setattr(profile, "device_sync", lambda device: lambda: None)
+    monkeypatch.setattr(profile, "device_busy", kernel_clock)
+    run = run_profile(model_dir, [2], steps=3, warmup=0, dtype="float32", device="cpu")
+    prefill, decode, mixed = run.rows
+    assert passes == [(3, 3), (3, 3)]  # decode, then mixed: each ran its 3 steps
+    assert prefill.device_busy_ms is None
+    assert decode.device_busy_ms == 1.5 and decode.top_kernels[0][0] == "gemm"
+    assert (mixed.device_busy_ms, mixed.top_kernels, mixed.steps) == (3.0, (), 3)
+
+
 def test_bench_profile_refuses_bad_batch_sizes(capsys) -> None:
     assert bench_main(["profile", "--batch-sizes", "0"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
