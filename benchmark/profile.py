@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -100,15 +100,17 @@ class ProfileRun:
             + self.table() + "\n" + self.kernels())
 
     def kernels(self) -> str:
-        """The largest decode batch's top kernels (CUDA only), as a list."""
-        decodes = [r for r in self.rows if r.kind == "decode" and r.top_kernels]
-        if not decodes:
-            return ""
-        row = max(decodes, key=lambda r: r.batch)
-        lines = [f"- {us:.1f} µs, {calls:g} launches: `{name}`"
-                 for name, us, calls in row.top_kernels]
-        return (f"\nKernels of a decode step at batch {row.batch}, per step:\n\n"
-                + "\n".join(lines) + "\n")
+        """The largest decode and mixed batches' top kernels (CUDA only), as lists."""
+        text = ""
+        for kind in ("decode", "mixed"):
+            rows = [r for r in self.rows if r.kind == kind and r.top_kernels]
+            if rows:
+                row = max(rows, key=lambda r: r.batch)
+                lines = [f"- {us:.1f} µs, {calls:g} launches: `{name}`"
+                         for name, us, calls in row.top_kernels]
+                text += (f"\nKernels of a {kind} step at batch {row.batch}, per step:\n\n"
+                         + "\n".join(lines) + "\n")
+        return text
 
 
 def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup: int = 3,
@@ -166,19 +168,18 @@ def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, s
         engine.step()
     decode = _phase_steps(engine, sync, is_prefill=False, count=steps)
     step_ms = _served_step_ms(engine, sync, steps)
-    busy, kernels = (None, ())
+    decode_busy = mixed_busy = (None, ())
     if sync is not None:
-        busy, kernels = device_busy(lambda: [engine.step() for _ in range(steps)], steps)
+        decode_busy = device_busy(lambda: [engine.step() for _ in range(steps)], steps)
     mixed = _mixed_steps(engine, prompt_ids, params, sync, steps)
-    mixed_busy = None
     if sync is not None:  # a second pass: the profiler's callbacks would slow the one timed
-        mixed_busy, _ = device_busy(
-            lambda: _mixed_steps(engine, prompt_ids, params, None, steps), steps)
+        mixed_busy = device_busy(lambda: _mixed_steps(engine, prompt_ids, params, None, steps),
+                                 steps)
     for request_id in ids:
         engine.abort(request_id)
-    return [_row("prefill", batch, prefill, None, None),
-            replace(_row("decode", batch, decode, step_ms, busy), top_kernels=kernels),
-            _row("mixed", batch + 1, mixed, None, mixed_busy)]
+    return [_row("prefill", batch, prefill, None),
+            _row("decode", batch, decode, step_ms, *decode_busy),
+            _row("mixed", batch + 1, mixed, None, *mixed_busy)]
 
 
 def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None] | None,
@@ -253,11 +254,12 @@ def _served_step_ms(engine, sync: Callable[[], None] | None, steps: int) -> floa
     return 1000 * statistics.median(times)
 
 
-def _row(kind: str, batch: int, measured: list[MeasuredStep],
-         step_ms: float | None, busy_ms: float | None) -> StepProfile:
+def _row(kind: str, batch: int, measured: list[MeasuredStep], step_ms: float | None,
+         busy_ms: float | None = None,
+         kernels: tuple[tuple[str, float, float], ...] = ()) -> StepProfile:
     phases_ms = {p: 1000 * statistics.median(m.seconds.get(p, 0.0) for m in measured)
                  for p in PHASES}
     wall = step_ms if step_ms is not None else sum(phases_ms.values())
     graphs = statistics.fmean(m.graph for m in measured)
     return StepProfile(kind, batch, int(statistics.median(m.tokens for m in measured)),
-                       len(measured), wall, phases_ms, busy_ms, graph_share=graphs)
+                       len(measured), wall, phases_ms, busy_ms, kernels, graphs)

@@ -135,7 +135,8 @@ def test_on_a_device_decode_and_mixed_rows_carry_their_kernel_time(model_dir,
     assert passes == [(3, 3), (3, 3)]  # decode, then mixed: each ran its 3 steps
     assert prefill.device_busy_ms is None
     assert decode.device_busy_ms == 1.5 and decode.top_kernels[0][0] == "gemm"
-    assert (mixed.device_busy_ms, mixed.top_kernels, mixed.steps) == (3.0, (), 3)
+    assert (mixed.device_busy_ms, mixed.steps) == (3.0, 3)  # the timed pass's steps
+    assert mixed.top_kernels == (("gemm", 900.0, 16.0),)
 
 
 def test_bench_profile_refuses_bad_batch_sizes(capsys) -> None:
@@ -145,18 +146,22 @@ def test_bench_profile_refuses_bad_batch_sizes(capsys) -> None:
     assert "--prompt-tokens must be >= 2, got 1" in capsys.readouterr().err
 
 
-def test_a_cuda_profile_lists_the_largest_decode_batchs_kernels(tmp_path) -> None:
-    """On CUDA each decode row carries torch.profiler's top kernels; the saved profile lists
-    those of the largest batch (CPU profiles carry none and list nothing)."""
-    def decode(batch, kernels):
-        return StepProfile("decode", batch, batch, 4, 3.0, {"forward": 2.0}, 2.5, kernels)
+def test_a_cuda_profile_lists_the_largest_decode_and_mixed_batchs_kernels(tmp_path) -> None:
+    """On CUDA each decode and mixed row carries torch.profiler's top kernels; the saved profile
+    lists those of the largest batch of each kind (CPU profiles carry none and list nothing)."""
+    def decode(batch, kernels, kind="decode"):
+        return StepProfile(kind, batch, batch, 4, 3.0, {"forward": 2.0}, 2.5, kernels)
 
     rows = [decode(1, (("gemv", 900.0, 16.0),)), decode(32, (("gemm_bf16", 1500.5, 16.0),
-                                                              ("flash_fwd", 300.0, 16.0)))]
+                                                              ("flash_fwd", 300.0, 16.0))),
+            decode(2, (("triton_tem_fused", 70.0, 16.0),), "mixed"),
+            decode(33, (("triton_flex", 8000.0, 16.0),), "mixed")]
     ProfileRun("m", "cuda:0", "bfloat16", "paged", 9, rows).save(tmp_path)
     text = (tmp_path / "profile.md").read_text()
-    assert "at batch 32, per step" in text and "1500.5 µs, 16 launches: `gemm_bf16`" in text
-    assert "gemv" not in text
+    assert "decode step at batch 32, per step" in text
+    assert "1500.5 µs, 16 launches: `gemm_bf16`" in text and "gemv" not in text
+    assert "mixed step at batch 33, per step" in text
+    assert "8000.0 µs, 16 launches: `triton_flex`" in text and "triton_tem" not in text
     data = json.loads((tmp_path / "profile.json").read_text())
     assert data["rows"][1]["top_kernels"][1] == ["flash_fwd", 300.0, 16.0]
     ProfileRun("m", "cpu", "float32", "paged", 9, [decode(8, ())]).save(tmp_path)
