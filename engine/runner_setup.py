@@ -78,7 +78,8 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     runner = ModelRunner(model, spec, device, dtype, kv.num_blocks, kv.block_size,
                          select_attention_backend(config.attention_backend, device), layout)
     step_tokens = config.max_num_batched_tokens or config.max_num_seqs * max_model_len
-    prepare_attention(runner, config.attention_backend, config.max_num_seqs, step_tokens)
+    prepare_attention(runner, config.attention_backend, config.max_num_seqs, step_tokens,
+                      max_model_len)
     if hasattr(model, "use_fused_cpu_ops"):
         ops = fused_ops_for(model, dtype, runner.attention.name)
         model.use_fused_cpu_ops(ops)

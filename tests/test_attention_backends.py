@@ -100,23 +100,64 @@ def test_flex_matches_reference_on_gpu_bf16(case) -> None:
 
 
 def test_steady_decoding_does_not_recompile() -> None:
-    """Decode steps of 3..14 sequences with growing contexts reuse one compiled graph."""
+    """Decode steps of 9..16 sequences (one query bucket: a block of 16 rows each) with
+    growing contexts reuse one compiled graph."""
     backend = FlexAttention(torch.device("cpu"))
     k, v = random_pool(torch.device("cpu"), torch.float32)
     graphs = None
     for step in range(8):
-        shapes = [(3 + step + i, 1) for i in range(3 + step * 11 % 12)]
+        shapes = [(3 + step + i, 1) for i in range(9 + step * 5 % 8)]
         q = torch.randn(len(shapes), HEADS, HEAD_DIM)
         with torch.inference_mode():
             meta = prepare(4, None, shapes, 0, backend, torch.device("cpu"), seed=step)
             got = backend.forward(q, k, v, meta, 0.25)
             torch.testing.assert_close(got, reference_attention(q, k, v, meta, 0.25), atol=1e-5,
                                        rtol=0)
-        if graphs is None:  # the first step may compile the 16-row bucket
+        if graphs is None:  # the first step may compile the 256-row bucket
             graphs = counters["stats"]["unique_graphs"]
-            # Contexts 4, 5, 6 fill 5 pages of 4 slots: at most 5 of the pool's 24 KV blocks.
-            assert meta.backend_state.block_mask.kv_num_blocks.max() <= 5
+            # Contexts 4..12 fill at most 3 pages of 4 slots: each block reads at most 3 of the
+            # pool's 24 KV blocks, its own sequence's.
+            assert meta.backend_state.block_mask.kv_num_blocks.max() <= 3
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def _sequence_pages(meta: AttentionMetadata) -> list[list[int]]:
+    """Each step sequence's pages, in flex's numbering: the decodes, then the prefills."""
+    decodes = [] if meta.decode_pages is None else meta.decode_pages.tolist()
+    return decodes + [row.kv_pages.tolist() for row in meta.prefills]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-w{c[1]}-shared{c[3]}")
+def test_each_query_block_reads_only_its_own_sequences_kv_blocks(case) -> None:
+    """The BlockMask's lists as the GPU kernel reads them (no compile): every query block holds
+    one sequence's rows and lists each KV block of its sequence's pages at most once, every
+    one its rows see among them; padding blocks list none. (On the GPU a block shared by 16
+    decode rows made one kernel program walk all their pages.)"""
+    block_size, window, shapes, shared = case
+    backend = FlexAttention(torch.device("cpu"))
+    with torch.inference_mode():
+        meta = prepare(block_size, window, shapes, shared, backend, torch.device("cpu"),
+                       seed=CASES.index(case))
+    step, g = meta.backend_state, meta.page_size
+    counts, table = backend._kv_blocks(step, POOL_SLOTS // 16, g)
+    pages = _sequence_pages(meta)
+    seqs, lo, pos = (t.view(-1, 16).tolist() for t in (step.q_seq, step.q_lo, step.q_pos))
+    assert counts.numel() == len(seqs) == step.q_seq.numel() // 16
+    used = 0
+    for block, count in enumerate(counts.tolist()):
+        real = [i for i in range(16) if pos[block][i] >= 0]
+        listed = table[block, :count].tolist()
+        if not real:
+            assert count == 0
+            continue
+        used += 1
+        (seq,) = {seqs[block][i] for i in real}
+        own = {(p * g + s) // 16 for p in pages[seq][:-(-(max(pos[block]) + 1) // g)]
+               for s in (0, g - 1)}
+        seen = {(pages[seq][x // g] * g + x % g) // 16
+                for i in real for x in range(lo[block][i], pos[block][i] + 1)}
+        assert len(set(listed)) == len(listed) and seen <= set(listed) <= own
+    assert used == sum(-(-n // 16) for _, n in shapes)  # a block per 16 rows of a sequence
 
 
 def test_selection() -> None:

@@ -2,7 +2,7 @@
 compiled. Compiled graphs guard on the number of types torch's pytree knows, so an import after
 the warm-up (transformers' model outputs, on the first tokenizer load) made every size
 recompile once in a served step: 0.3-0.7 s pauses of every stream on an H100. FlexAttention
-warms up on CUDA only; here it is warmed up on the CPU too (two small sizes)."""
+warms up on CUDA only; here it is warmed up on the CPU too (three small sizes)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from engine.tokenizer_files import TokenizerLoadError
 from tests.models_fixtures import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = {"batching": "paged", "dtype": "float32", "device": "cpu", "max_num_seqs": 4,
+CONFIG = {"batching": "paged", "dtype": "float32", "device": "cpu", "max_num_seqs": 2,
           "max_model_len": 96, "num_kv_blocks": 64, "attention_backend": "flex",
-          "max_num_batched_tokens": 32}  # warm-up sizes: 16 and 32 query rows
+          "max_num_batched_tokens": 32}  # up to 32 + 2 x 15 padded rows: sizes 16, 32 and 64
+WARMED_ROWS, WARMED_SIZES = 62, 3
 
 # A fresh process, as a server's core is: nothing imported but what the engine imports.
 SERVE_IN_A_FRESH_PROCESS = """
@@ -63,7 +64,7 @@ def test_served_steps_compile_nothing_in_a_fresh_process(model_dir, device) -> N
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["warmed"][0] == 32  # the warm-up ran, up to the step budget
+    assert result["warmed"][0] == WARMED_ROWS  # the warm-up ran, up to the padded step budget
     assert result["recompiled"] == 0
 
 
@@ -84,11 +85,11 @@ def test_refresh_compiles_again_once_the_pytree_registry_changed(model_dir, monk
             compiled = counters["stats"]["unique_graphs"]
             with caplog.at_level(logging.WARNING, "engine.attention.check"):
                 assert check.refresh_warm_up(runner)
-            # The premise: the change invalidated both warmed sizes (they compiled again) ...
-            assert counters["stats"]["unique_graphs"] == compiled + 2
+            # The premise: the change invalidated every warmed size (they compiled again) ...
+            assert counters["stats"]["unique_graphs"] == compiled + WARMED_SIZES
             assert "pytree registry went from" in caplog.text
             compiled = counters["stats"]["unique_graphs"]
-            check.warm_up_attention(runner, 32)  # ... and steps of those sizes now do not
+            check.warm_up_attention(runner, WARMED_ROWS)  # ... and steps of those sizes now do not
             assert counters["stats"]["unique_graphs"] == compiled
             assert not check.refresh_warm_up(runner)
         finally:

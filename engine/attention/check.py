@@ -81,7 +81,7 @@ def _check(runner: ModelRunner, case: list[tuple[int, int]]) -> float:
 
 
 # Query-row buckets compiled at start-up; a step with more tokens compiles on first use.
-WARM_UP_MAX_ROWS = 4096
+WARM_UP_MAX_ROWS = 8192  # flex pads each sequence to blocks of 16 rows: 256 decodes fill 4096
 # Devices whose backend compiles its step sizes at start-up (on the CPU each takes seconds of
 # C++ compiling: it compiles on first use there; tests warm up on the CPU too).
 WARM_UP_DEVICES = ("cuda",)
@@ -143,14 +143,20 @@ def refresh_warm_up(runner: ModelRunner) -> bool:
     return True
 
 
-def prepare_attention(runner: ModelRunner, asked: str, max_num_seqs: int, max_rows: int) -> None:
-    """Before serving: size the backend for `max_num_seqs`, check it against the reference
-    (`auto` falls back to the reference), and on CUDA compile its step sizes up to `max_rows`."""
-    if hasattr(runner.attention, "reserve"):  # flex: its table sized once, never regrown
-        runner.attention.reserve(max_num_seqs)
+def prepare_attention(runner: ModelRunner, asked: str, max_num_seqs: int, max_tokens: int,
+                      max_model_len: int = 0) -> None:
+    """Before serving: size the backend for `max_num_seqs` sequences of up to `max_model_len`
+    tokens, check it against the reference (`auto` falls back to the reference), and on CUDA
+    compile its step sizes for steps of up to `max_tokens` tokens (flex pads them to more rows)."""
+    flex = hasattr(runner.attention, "reserve")  # its tables sized once, never regrown
+    max_rows = runner.attention.query_rows(max_tokens, max_num_seqs) if flex else max_tokens
+    if flex:  # wide enough for the warm-up's longest prompt too
+        warm_up_rows = warm_up_buckets(max_rows, runner.kv_cache.shape[2])[-1:]
+        runner.attention.reserve(max_num_seqs, max([max_model_len, *warm_up_rows]))
     check_or_fall_back(runner, asked)
     if hasattr(runner.attention, "reserve") and runner.device.type in WARM_UP_DEVICES:
-        # Each new step size would otherwise stall its requests for seconds (seen on an H100).
+        # (flex still: not fallen back.) Each new step size would otherwise stall its requests
+        # for seconds (seen on an H100).
         started = time.monotonic()
         buckets = warm_up_attention(runner, max_rows)
         logger.info("attention backend %s compiled for steps of up to %d tokens in %.1f s",
