@@ -4,6 +4,7 @@ cases share one pool size and the query buckets 16 and 32 to compile only a few 
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -158,6 +159,19 @@ def test_each_query_block_reads_only_its_own_sequences_kv_blocks(case) -> None:
                 for i in real for x in range(lo[block][i], pos[block][i] + 1)}
         assert len(set(listed)) == len(listed) and seen <= set(listed) <= own
     assert used == sum(-(-n // 16) for _, n in shapes)  # a block per 16 rows of a sequence
+
+
+def test_tables_take_their_reserved_width_and_grow_past_it_loudly(caplog) -> None:
+    """reserve(): the per-sequence tables are as wide as max_model_len's pages from the first
+    step (so start-up compiles serve every step); a longer sequence widens them, logged."""
+    backend = FlexAttention(torch.device("cpu"))
+    backend.reserve(4, 100)  # 25 pages of 4 slots: 32 wide
+    with torch.inference_mode(), caplog.at_level(logging.INFO, "engine.attention.flex"):
+        meta = prepare(4, None, [(5, 1), (0, 7)], 0, backend, torch.device("cpu"), seed=0)
+        assert meta.backend_state.max_pages == 32 and "grown" not in caplog.text
+        meta = prepare(4, None, [(150, 1)], 0, backend, torch.device("cpu"), seed=0)
+    assert meta.backend_state.max_pages == 64  # 38 pages
+    assert "per-sequence table grown to 64 pages" in caplog.text
 
 
 def test_selection() -> None:

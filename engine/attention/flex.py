@@ -101,8 +101,8 @@ class FlexAttention(AttentionBackend):
         num_blocks = num_decodes + sum(spans)
         rows = max(QUERY_BLOCK, 1 << (num_blocks * QUERY_BLOCK - 1).bit_length())
         self._grow(num_decodes + len(meta.prefills), max(
-            [-(-self.reserved_tokens // g)] + [row.kv_pages.numel() for row in meta.prefills]
-            + ([meta.decode_pages.shape[1]] if num_decodes else [])))
+            [row.kv_pages.numel() for row in meta.prefills]
+            + [meta.decode_pages.shape[1] if num_decodes else 0]), g)
         token_rows = torch.empty(meta.slot_mapping.numel(), dtype=torch.int64, device=device)
         q_seq = torch.zeros(rows, dtype=torch.int32, device=device)  # [Q]
         q_pos = torch.full((rows,), -1, dtype=torch.int32, device=device)  # [Q]
@@ -144,16 +144,18 @@ class FlexAttention(AttentionBackend):
                         page_seq.masked_fill(page_seq < 0, self.capacity), torch.cat(pages),
                         torch.cat(logical), self.capacity, self.max_pages)
 
-    def _grow(self, num_seqs: int, max_pages: int) -> None:
-        """Widen the per-sequence tables for this step; each growth compiles anew."""
+    def _grow(self, num_seqs: int, max_pages: int, g: int) -> None:
+        """Widen the per-sequence tables to what was reserved, and for this step (each growth
+        past the reservation compiles anew)."""
         while num_seqs > self.capacity:
             self.capacity *= 2
             logger.info("flex attention: per-sequence table grown to %d rows", self.capacity)
-        while max_pages > self.max_pages:
+        while -(-self.reserved_tokens // g) > self.max_pages:
             self.max_pages *= 2
-            if max_pages <= self.max_pages:
-                logger.info("flex attention: per-sequence table grown to %d pages",
-                            self.max_pages)
+        if max_pages > self.max_pages:
+            while max_pages > self.max_pages:
+                self.max_pages *= 2
+            logger.info("flex attention: per-sequence table grown to %d pages", self.max_pages)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
