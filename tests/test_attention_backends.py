@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 import engine.attention.explicit as explicit
 from engine.attention.explicit import explicit_attention
-from engine.attention.flex import FlexAttention
+from engine.attention.flex import QUERY_BLOCK, FlexAttention
 from engine.attention.reference import (
     AttentionBackend,
     AttentionMetadata,
@@ -159,6 +159,87 @@ def test_each_query_block_reads_only_its_own_sequences_kv_blocks(case) -> None:
                 for i in real for x in range(lo[block][i], pos[block][i] + 1)}
         assert len(set(listed)) == len(listed) and seen <= set(listed) <= own
     assert used == sum(-(-n // 16) for _, n in shapes)  # a block per 16 rows of a sequence
+
+
+def kernel_reads(block_mask, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """What FlexAttention's Triton kernel computes from a BlockMask, in plain PyTorch: each
+    query block reads the first kv_num_blocks of its listed KV blocks, but no more than the
+    keys hold (the kernel's loop bound), mask_mod applied. q_rows [Q, H, D] -> [Q, H, D]."""
+    counts, lists = block_mask.kv_num_blocks[0, 0].tolist(), block_mask.kv_indices[0, 0]
+    num_slots, kv_block = k.shape[0], block_mask.BLOCK_SIZE[1]
+    k, v = (t.repeat_interleave(q_rows.shape[1] // t.shape[1], 1) for t in (k, v))
+    out = torch.zeros_like(q_rows)
+    for block, count in enumerate(counts):
+        rows = torch.arange(block * QUERY_BLOCK, (block + 1) * QUERY_BLOCK)
+        read = lists[block, :min(count, -(-num_slots // kv_block))].tolist()
+        slots = torch.tensor([b * kv_block + i for b in read for i in range(kv_block)],
+                             dtype=torch.long)
+        if not read:
+            continue
+        seen = block_mask.mask_mod(0, 0, rows[:, None], slots.clamp(max=num_slots - 1)[None])
+        seen &= slots[None] < num_slots
+        scores = torch.einsum("qhd,khd->hqk", q_rows[rows], k[slots.clamp(max=num_slots - 1)])
+        probs = (scale * scores).masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0)
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, v[slots.clamp(max=num_slots - 1)])
+    return out
+
+
+def gpu_flex(backend: FlexAttention, meta: AttentionMetadata, q: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The flex backend's output as the GPU kernel would compute it (no compile)."""
+    step = meta.backend_state
+    step.block_mask = backend._block_mask(step, k.shape[0], meta.page_size)
+    q_rows = q.new_zeros(step.q_seq.numel(), *q.shape[1:]).index_copy_(0, step.token_rows, q)
+    return kernel_reads(step.block_mask, q_rows, k, v, scale).index_select(0, step.token_rows)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-w{c[1]}-shared{c[3]}")
+def test_the_gpu_kernels_reading_of_the_block_mask_matches_the_reference(case) -> None:
+    """CI has no GPU: the kernel's reading of the lists, emulated, against the reference."""
+    backend = FlexAttention(torch.device("cpu"))
+    torch.manual_seed(CASES.index(case))
+    k, v = random_pool(torch.device("cpu"), torch.float32)
+    with torch.inference_mode():
+        meta = prepare(*case, backend, torch.device("cpu"), seed=CASES.index(case))
+        q = torch.randn(meta.slot_mapping.numel(), HEADS, HEAD_DIM)
+        want = reference_attention(q, k, v, meta, 0.25)
+        torch.testing.assert_close(gpu_flex(backend, meta, q, k, v, 0.25), want, atol=1e-5,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("computed,scheduled", [(600, 1), (592, 8), (200, 1)])
+def test_a_window_slid_past_more_pages_than_the_pool_holds(block_size, computed,
+                                                           scheduled) -> None:
+    """A windowed table names the scratch block for every page its sequence slid past (a
+    model whose every layer has the window serves sequences longer than the pool). Listed
+    once per such page, the scratch block filled the kernel's loop bound before the visible
+    pages came (found in review): each block's list starts at its first visible page."""
+    window, num_blocks = 16, 96 // block_size
+    backend = FlexAttention(torch.device("cpu"))
+    backend.reserve(4, 1024)
+    spec = ModelSpec("LlamaForCausalLM", 1, HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, 100,
+                     4096, window)
+    runner = ModelRunner(None, spec, torch.device("cpu"), torch.float32, num_blocks,
+                         block_size, backend)
+    total = computed + scheduled
+    held = -(-total // block_size) - (computed - window + 1) // block_size
+    seq = Sequence(0, [5] * total, SamplingParams())
+    seq.num_computed_tokens = computed
+    scratch = num_blocks  # BlockManager.outside_window: the runner's scratch block
+    seq.block_table = [scratch] * (-(-total // block_size) - held) + list(range(held))
+    slots = (num_blocks + 1) * block_size
+    torch.manual_seed(block_size + computed)
+    k, v = (torch.randn(slots, KV_HEADS, HEAD_DIM) for _ in range(2))
+    with torch.inference_mode():
+        meta = runner.attention_metadata(ScheduledBatch((seq,), (scheduled,)))
+        q = torch.randn(scheduled, HEADS, HEAD_DIM)
+        got = gpu_flex(backend, meta, q, k, v, 0.25)
+    torch.testing.assert_close(got, reference_attention(q, k, v, meta, 0.25), atol=1e-5,
+                               rtol=0)
+    counts = meta.backend_state.block_mask.kv_num_blocks
+    assert counts.max() <= -(-(window + scheduled) // 16) + 1  # the window's blocks, not ctx's
 
 
 def test_tables_take_their_reserved_width_and_grow_past_it_loudly(caplog) -> None:

@@ -16,8 +16,8 @@ logic).
 Recompilation: graphs are compiled per shape (dynamic=False). Query rows are padded to a power
 of two, and the per-sequence tables to capacities that only grow (the engine reserves
 max_num_seqs and max_model_len up front); the pool size is fixed. So steady decoding reuses one
-graph, and a server compiles about log2(max rows per step) graphs: on CUDA all of them at
-start-up.
+graph, and a server compiles about log2(max rows per step) graphs: on CUDA those of up to
+8,192 rows at start-up.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ QUERY_BLOCK = 16  # the BlockMask's query block, also the smallest query bucket
 class FlexStep:
     """One step's facts shared by every layer; the first layer adds the BlockMask."""
 
-    num_tokens: int
     token_rows: torch.Tensor  # [num_tokens] int64: each packed token's query row
     q_seq: torch.Tensor  # [Q] int32: the step sequence of each (padded) query row
     q_pos: torch.Tensor  # [Q] int32: its position; -1 on padding rows, which then see nothing
@@ -140,7 +139,7 @@ class FlexAttention(AttentionBackend):
             pages.append(row.kv_pages)
             logical.append(torch.arange(row.kv_pages.numel(), device=device))
         page_seq = torch.cat(seqs)
-        return FlexStep(meta.slot_mapping.numel(), token_rows, q_seq, q_pos, q_lo, block_seq,
+        return FlexStep(token_rows, q_seq, q_pos, q_lo, block_seq,
                         page_seq.masked_fill(page_seq < 0, self.capacity), torch.cat(pages),
                         torch.cat(logical), self.capacity, self.max_pages)
 
@@ -200,12 +199,19 @@ class FlexAttention(AttentionBackend):
         """Per query block: how many KV blocks it reads [Q / 16] int32, and which ones
         [Q / 16, width] int32 (the first so many of each row), those of its sequence's pages."""
         kvb, cap, device = self.kv_block, step.capacity, step.q_seq.device
-        if g == kvb:  # a page is a KV block: the sequence's pages in logical order, each query
-            # block reading only up to its last row's page (so a prompt's blocks skip the rest)
+        if g == kvb:  # a page is a KV block: the sequence's pages in logical order, from the
+            # first its rows see to the last (slid past a window, a table's entries all name
+            # one scratch block, which the kernel must not walk over and over: it stops after
+            # as many blocks as the pool has)
             table = torch.zeros(cap + 2, step.max_pages, dtype=torch.int32, device=device)
             table[step.page_seq, step.page_logical] = step.page_ids.int()
-            last = step.q_pos.view(-1, QUERY_BLOCK).amax(-1)  # [Q / 16]; -1: padding block
-            return (torch.div(last, g, rounding_mode="floor") + 1).int(), table[step.block_seq]
+            pos, lo = step.q_pos.view(-1, QUERY_BLOCK), step.q_lo.view(-1, QUERY_BLOCK)
+            last = pos.amax(-1)  # [Q / 16]; -1: a padding block
+            first = torch.where(pos >= 0, lo, last[:, None].clamp(min=0)).amin(-1) // g
+            columns = (first[:, None] + torch.arange(step.max_pages, device=device)).clamp(
+                max=step.max_pages - 1)  # [Q / 16, width]
+            return ((last // g + 1 - first).clamp(min=0).int(),
+                    table[step.block_seq].gather(1, columns))
         # Smaller pages share a KV block, pages of 12 straddle two: each sequence's distinct
         # KV blocks (a page's first and last slot's), sorted, then the pool's count past them.
         table = torch.full((cap + 2, 2 * step.max_pages), num_kv_blocks, dtype=torch.int64,
@@ -217,6 +223,5 @@ class FlexAttention(AttentionBackend):
         repeat[:, 1:] = table[:, 1:] == table[:, :-1]
         table = table.masked_fill(repeat, num_kv_blocks).sort(-1).values
         counts = (table < num_kv_blocks).sum(-1, dtype=torch.int32)  # [cap + 2]
-        counts[cap] = 0  # decode padding's pages
         table = table.masked_fill(table == num_kv_blocks, 0).int()
         return counts[step.block_seq], table[step.block_seq]
