@@ -305,6 +305,28 @@ def test_a_backend_that_disagrees_is_caught_at_start_up(tmp_path) -> None:
     assert not runner.kv_cache.any(), "the check left values in the pool"
 
 
+def test_the_start_up_check_sees_decode_blocks_read_the_wrong_sequence(monkeypatch) -> None:
+    """Its synthetic step holds two decodes beside a chunk: a layout slip between decode
+    blocks (here each reads the first decode's pages) fails it on the real kernel."""
+    from engine.attention.check import check_attention_backend
+
+    prepare_step = FlexAttention.prepare
+
+    def first_decodes_pages(self, meta):
+        step = prepare_step(self, meta)
+        step.block_seq[:meta.decode_token_idx.numel()] = 0
+        return step
+
+    spec = ModelSpec("LlamaForCausalLM", 1, HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, 100, 256,
+                     None)
+    runner = ModelRunner(None, spec, torch.device("cpu"), torch.float32, 24, 16,
+                         FlexAttention(torch.device("cpu")))
+    assert check_attention_backend(runner) < 1e-4
+    monkeypatch.setattr(FlexAttention, "prepare", first_decodes_pages)
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        check_attention_backend(runner)
+
+
 def test_split_by_width_cuts_only_where_padding_costs_more_than_a_group() -> None:
     assert split_by_width([2] * 10 + [18] * 10, 32, 4) == [0, 10, 20]
     assert split_by_width([5] * 32, 32, 4) == [0, 32]  # equal lengths: nothing to save

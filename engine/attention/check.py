@@ -27,11 +27,12 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 def check_attention_backend(runner: ModelRunner) -> float | None:
-    """Max abs difference to the reference over synthetic steps (a decode, and a chunk after a
-    prefix, in reversed blocks: together when the pool has room, else one at a time); raises
+    """Max abs difference to the reference over synthetic steps (two decodes, and a chunk after
+    a prefix, in reversed blocks: together when the pool has room, else one at a time); raises
     AssertionError past the tolerance. None: the pool is too small for either."""
     decode, chunk = (20, 1), (4, 5)  # (computed, scheduled) tokens of one sequence
-    cases = [[decode, chunk]] if _fits(runner, [decode, chunk]) else [[decode], [chunk]]
+    together = [decode, (37, 1), chunk]  # flex: three query blocks, the decodes' side by side
+    cases = [together] if _fits(runner, together) else [[decode], [chunk]]
     errors = [_check(runner, case) for case in cases if _fits(runner, case)]
     return max(errors) if errors else None
 
