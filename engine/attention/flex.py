@@ -5,13 +5,13 @@ which each sequence's rows start a block of 16 query rows of their own (a decode
 row and 15 padding rows). mask_mod keeps (query, slot) when the slot holds a visible position of
 the query's own sequence, looked up in an inverse page table (pool page -> logical page, per
 sequence); pages shared by several sequences (prefix cache) are fine. The BlockMask built once
-per step lists, per query block, the KV blocks of its one sequence's pages, in logical order and
-only up to its last row's position, so the kernel skips the rest of the pool. One sequence per
-block matters on a GPU: the kernel walks a query block's KV blocks in one program (~0.65 µs
-each on an H200), and when decode rows of 16 sequences shared a block, that program walked all
-their pages: 10 of a 1B decode step's 13 ms on the device at 32 sequences of 1,000 tokens. On
-CUDA FlexAttention compiles to Triton kernels; on CPU to C++ (slow to compile; used to test this
-logic).
+per step lists, per query block, the KV blocks of its one sequence's pages, in logical order,
+from the first its rows see to its last row's, so the kernel skips the rest of the pool. One
+sequence per block matters on a GPU: the kernel walks a query block's KV blocks in one program
+(~0.65 µs each on an H200), and when decode rows of 16 sequences shared a block, that program
+walked all their pages: 10 of a 1B decode step's 13 ms on the device at 32 sequences of 1,000
+tokens. On CUDA FlexAttention compiles to Triton kernels; on CPU to C++ (slow to compile; used
+to test this logic).
 
 Recompilation: graphs are compiled per shape (dynamic=False). Query rows are padded to a power
 of two, and the per-sequence tables to capacities that only grow (the engine reserves
