@@ -36,8 +36,7 @@ def describe_step(step: StepViews, layout: KVLayout, backend: AttentionBackend,
     groups = []
     for window, table in zip(layout.group_windows, layout.group_tables, strict=True):
         if window not in masks:
-            masks[window] = _window_masks(step, window, page_size, staged_window,
-                                          backend.reads_decode_mask)
+            masks[window] = _window_masks(step, window, page_size, staged_window, backend)
         groups.append(_describe_group(step, table, window, masks[window], backend, page_size))
     if len(groups) == 1:
         return groups[0]
@@ -72,20 +71,21 @@ def first_visible(ctx: torch.Tensor, staged_lo: torch.Tensor, window: int | None
 
 
 def _window_masks(step: StepViews, window: int | None, page_size: int,
-                  staged_window: int | None, decode_mask: bool) -> tuple[list, dict]:
-    """What layers attending within `window` may see: each prefill row's mask, and the
-    decode rows' visible positions (their pages are each block table's; `decode_mask`: as a
-    mask too, else only as bounds)."""
+                  staged_window: int | None, backend: AttentionBackend) -> tuple[list, dict]:
+    """What layers attending within `window` may see: each prefill row's mask (where the
+    backend reads it), and the decode rows' visible positions (their pages are each block
+    table's; as a mask too where the backend reads it, else only as bounds)."""
     views = step.views
     device = views["tokens"].device
-    prefill_masks = [causal_mask(n, ctx, window, device) for _, n, _, ctx in step.prefills]
+    prefill_masks = [causal_mask(n, ctx, window, device) if backend.reads_prefill_mask
+                     else None for _, n, _, ctx in step.prefills]
     decode: dict = {"decode_token_idx": None, "decode_pages": None, "decode_mask": None}
     if step.decodes:
         width = views["decode_pages"].shape[2]
         token_idx, ctx, staged_lo, order = views["decode"]  # [B] each
         lo = first_visible(ctx, staged_lo, window, staged_window)
         visible = None
-        if decode_mask:
+        if backend.reads_decode_mask:
             visible = visible_positions(torch.arange(width * page_size, device=device), ctx, lo)
         decode = {"decode_token_idx": token_idx, "decode_mask": visible,
                   "decode_context_lens": tuple(c for _, _, c in step.decodes),

@@ -242,6 +242,18 @@ def test_a_window_slid_past_more_pages_than_the_pool_holds(block_size, computed,
     assert counts.max() <= -(-(window + scheduled) // 16) + 1  # the window's blocks, not ctx's
 
 
+def test_flex_steps_build_no_masks_it_does_not_read() -> None:
+    """Flex bounds rows by position and window: the runner builds no prompt or decode masks
+    for it (tensor ops on a GPU step's critical path), where the reference gets both."""
+    shapes = [(40, 1), (21, 8), (0, 13)]  # a decode, a chunk after a prefix, a prompt
+    for backend, built in ((FlexAttention(torch.device("cpu")), False),
+                           (ReferenceAttention(), True)):
+        with torch.inference_mode():
+            meta = prepare(16, 7, shapes, 0, backend, torch.device("cpu"), seed=1)
+        assert all((row.mask is not None) is built for row in meta.prefills)
+        assert (meta.decode_mask is not None) is built
+
+
 def test_tables_take_their_reserved_width_and_grow_past_it_loudly(caplog) -> None:
     """reserve(): the per-sequence tables are as wide as max_model_len's pages from the first
     step (so start-up compiles serve every step); a longer sequence widens them, logged."""

@@ -59,7 +59,8 @@ class FlexAttention(AttentionBackend):
     """torch FlexAttention reading the pool in place. Any block size; fp32, fp16 or bf16."""
 
     name = "flex"
-    reads_decode_mask = False  # decode rows are bounded by decode_ctx and decode_lo
+    # decode rows are bounded by decode_ctx and decode_lo, prompt rows by position and window
+    reads_decode_mask = reads_prefill_mask = False
 
     def __init__(self, device: torch.device, kv_block: int = 16) -> None:
         self.kv_block = kv_block
@@ -131,8 +132,8 @@ class FlexAttention(AttentionBackend):
                                                                            device=device)
             q_seq[at] = seq
             q_pos[at] = torch.arange(row.context_len - n, row.context_len, device=device)
-            if row.mask is not None:
-                q_lo[at] = row.mask.int().argmax(-1).int()
+            if meta.window is not None:  # the first position each row sees
+                q_lo[at] = (q_pos[at] - (meta.window - 1)).clamp(min=0)
             block_seq[block:block + span] = seq
             block += span
             seqs.append(torch.full((row.kv_pages.numel(),), seq, device=device))

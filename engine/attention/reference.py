@@ -26,7 +26,9 @@ class PrefillRow:
     num_tokens: int
     context_len: int  # keys visible to its last token: positions 0..context_len-1
     kv_pages: torch.Tensor  # [ceil(context_len / page_size)] int64
-    mask: torch.Tensor | None  # [num_tokens, context_len] bool, None = plain causal (no prefix)
+    # [num_tokens, context_len] bool; None: plain causal (no prefix), or not built (a backend
+    # that bounds rows by position and window: AttentionBackend.reads_prefill_mask)
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class AttentionBackend(ABC):
     # Whether forward() reads AttentionMetadata.decode_mask: the runner builds it only then
     # (a few tensor ops per step that a kernel reading contexts and page tables never needs).
     reads_decode_mask = True
+    # Whether forward() reads PrefillRow.mask: built only then (a few tensor ops per prompt
+    # row with a prefix or a window, on the host's critical path of a GPU step).
+    reads_prefill_mask = True
 
     def prepare(self, meta: AttentionMetadata) -> object | None:
         return None
@@ -226,8 +231,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qp = q[row.token_start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kp = gather_pages(k_cache, row.kv_pages, g)[:row.context_len].transpose(0, 1)[None]
         vp = gather_pages(v_cache, row.kv_pages, g)[:row.context_len].transpose(0, 1)[None]
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale,
-                                            is_causal=row.mask is None, enable_gqa=True)
+        mask = row.mask if row.mask is not None else causal_mask(  # not built: see it now
+            row.num_tokens, row.context_len, meta.window, q.device)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
+                                            is_causal=mask is None, enable_gqa=True)
         out[row.token_start:end] = op[0].transpose(0, 1)
 
 
