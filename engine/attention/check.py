@@ -82,7 +82,7 @@ def _check(runner: ModelRunner, case: list[tuple[int, int]]) -> float:
 
 
 # Query-row buckets compiled at start-up; a step with more tokens compiles on first use.
-WARM_UP_MAX_ROWS = 8192  # flex pads each sequence to blocks of 16 rows: 256 decodes fill 4096
+WARM_UP_MAX_ROWS = 16384  # flex pads each sequence to 16-row blocks: 8,192 tokens + decodes
 # Devices whose backend compiles its step sizes at start-up (on the CPU each takes seconds of
 # C++ compiling: it compiles on first use there; tests warm up on the CPU too).
 WARM_UP_DEVICES = ("cuda",)

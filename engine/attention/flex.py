@@ -17,7 +17,7 @@ Recompilation: graphs are compiled per shape (dynamic=False). Query rows are pad
 of two, and the per-sequence tables to capacities that only grow (the engine reserves
 max_num_seqs and max_model_len up front); the pool size is fixed. So steady decoding reuses one
 graph, and a server compiles about log2(max rows per step) graphs: on CUDA those of up to
-8,192 rows at start-up.
+16,384 rows at start-up.
 """
 
 from __future__ import annotations
