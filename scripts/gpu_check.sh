@@ -119,7 +119,8 @@ if torch.cuda.is_available():
 "
 # The CUDA cases the suite skips on CPU: async scheduling with and without graphs, graphs
 # (whole-step and piecewise) captured, checked and exact per strategy, every strategy and backend against generate,
-# FlexAttention against the reference in bf16 and compiled at start-up, and nothing compiled
+# FlexAttention against the reference in bf16 (and where a window slid past more pages than
+# the pool holds) and compiled at start-up, and nothing compiled
 # in served steps after it (the sweeps' stalls, found on CPU).
 want tests && step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
     "tests/test_async_scheduling.py::test_planned_ahead_on_cuda_gives_generate_greedy_tokens" \
@@ -128,6 +129,7 @@ want tests && step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider ${P
     "tests/test_equivalence.py::test_greedy_matches_transformers_generate_on_gpu" \
     "tests/test_attention_backends.py::test_flex_matches_reference_on_gpu_bf16" \
     "tests/test_attention_backends.py::test_flex_on_gpu_compiles_at_start_up_not_while_serving" \
+    "tests/test_attention_backends.py::test_a_window_slid_past_more_pages_than_the_pool_holds" \
     "tests/test_attention_warm_up.py::test_served_steps_compile_nothing_in_a_fresh_process[cuda]"
 want tests && grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/log.txt" | tail -1 \
     >> "$OUT/summary.txt"

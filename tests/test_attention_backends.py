@@ -208,21 +208,23 @@ def test_the_gpu_kernels_reading_of_the_block_mask_matches_the_reference(case) -
                                    rtol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("computed,scheduled", [(600, 1), (592, 8), (200, 1)])
-def test_a_window_slid_past_more_pages_than_the_pool_holds(block_size, computed,
+def test_a_window_slid_past_more_pages_than_the_pool_holds(device, block_size, computed,
                                                            scheduled) -> None:
     """A windowed table names the scratch block for every page its sequence slid past (a
     model whose every layer has the window serves sequences longer than the pool). Listed
     once per such page, the scratch block filled the kernel's loop bound before the visible
-    pages came (found in review): each block's list starts at its first visible page."""
-    window, num_blocks = 16, 96 // block_size
-    backend = FlexAttention(torch.device("cpu"))
+    pages came (found in review): each block's list starts at its first visible page. On CPU
+    the GPU kernel's reading is emulated; on CUDA the real kernel runs."""
+    window, num_blocks, device = 16, 96 // block_size, torch.device(device)
+    backend = FlexAttention(device)
     backend.reserve(4, 1024)
     spec = ModelSpec("LlamaForCausalLM", 1, HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, 100,
                      4096, window)
-    runner = ModelRunner(None, spec, torch.device("cpu"), torch.float32, num_blocks,
-                         block_size, backend)
+    runner = ModelRunner(None, spec, device, torch.float32, num_blocks, block_size, backend)
     total = computed + scheduled
     held = -(-total // block_size) - (computed - window + 1) // block_size
     seq = Sequence(0, [5] * total, SamplingParams())
@@ -231,13 +233,14 @@ def test_a_window_slid_past_more_pages_than_the_pool_holds(block_size, computed,
     seq.block_table = [scratch] * (-(-total // block_size) - held) + list(range(held))
     slots = (num_blocks + 1) * block_size
     torch.manual_seed(block_size + computed)
-    k, v = (torch.randn(slots, KV_HEADS, HEAD_DIM) for _ in range(2))
+    k, v = (torch.randn(slots, KV_HEADS, HEAD_DIM, device=device) for _ in range(2))
     with torch.inference_mode():
         meta = runner.attention_metadata(ScheduledBatch((seq,), (scheduled,)))
-        q = torch.randn(scheduled, HEADS, HEAD_DIM)
-        got = gpu_flex(backend, meta, q, k, v, 0.25)
-    torch.testing.assert_close(got, reference_attention(q, k, v, meta, 0.25), atol=1e-5,
-                               rtol=0)
+        q = torch.randn(scheduled, HEADS, HEAD_DIM, device=device)
+        got = (gpu_flex(backend, meta, q, k, v, 0.25) if device.type == "cpu"
+               else backend.forward(q, k, v, meta, 0.25))
+        want = reference_attention(q, k, v, meta, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5 if device.type == "cpu" else 1e-4, rtol=0)
     counts = meta.backend_state.block_mask.kv_num_blocks
     assert counts.max() <= -(-(window + scheduled) // 16) + 1  # the window's blocks, not ctx's
 
