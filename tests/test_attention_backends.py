@@ -48,14 +48,19 @@ CASES = [
 ]
 
 
+def pool_runner(backend, device: torch.device, num_blocks: int, block_size: int,
+                window: int | None = None, max_positions: int = 256) -> ModelRunner:
+    """A model-less ModelRunner over a float32 pool of `num_blocks` (and its scratch block)."""
+    spec = ModelSpec("LlamaForCausalLM", 1, HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, 100,
+                     max_positions, window)
+    return ModelRunner(None, spec, device, torch.float32, num_blocks, block_size, backend)
+
+
 def prepare(block_size: int, window: int | None, shapes: list[tuple[int, int]], shared: int,
             backend, device: torch.device, seed: int) -> AttentionMetadata:
     """The real ModelRunner.stage's metadata for a batch with random block tables."""
     rng = random.Random(seed)
-    spec = ModelSpec("LlamaForCausalLM", 1, HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, 100, 256,
-                     window)
-    runner = ModelRunner(None, spec, device, torch.float32, POOL_SLOTS // block_size, block_size,
-                         backend)
+    runner = pool_runner(backend, device, POOL_SLOTS // block_size, block_size, window)
     free = list(range(POOL_SLOTS // block_size))
     rng.shuffle(free)
     seqs = []
@@ -179,11 +184,11 @@ def kernel_reads(block_mask, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Ten
             continue
         slots = torch.tensor([b * kv_block + i for b in read for i in range(kv_block)],
                              dtype=torch.long)
-        seen = block_mask.mask_mod(0, 0, rows[:, None], slots.clamp(max=num_slots - 1)[None])
-        seen &= slots[None] < num_slots
-        scores = torch.einsum("qhd,khd->hqk", q_rows[rows], k[slots.clamp(max=num_slots - 1)])
+        inside = slots.clamp(max=num_slots - 1)  # a last partial block reads past the keys
+        seen = block_mask.mask_mod(0, 0, rows[:, None], inside[None]) & (slots < num_slots)
+        scores = torch.einsum("qhd,khd->hqk", q_rows[rows], k[inside])
         probs = (scale * scores).masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0)
-        out[rows] = torch.einsum("hqk,khd->qhd", probs, v[slots.clamp(max=num_slots - 1)])
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, v[inside])
     return out
 
 
@@ -224,9 +229,7 @@ def test_a_window_slid_past_more_pages_than_the_pool_holds(device, block_size, c
     window, num_blocks, device = 16, 96 // block_size, torch.device(device)
     backend = FlexAttention(device)
     backend.reserve(4, 1024)
-    spec = ModelSpec("LlamaForCausalLM", 1, HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, 100,
-                     4096, window)
-    runner = ModelRunner(None, spec, device, torch.float32, num_blocks, block_size, backend)
+    runner = pool_runner(backend, device, num_blocks, block_size, window, max_positions=4096)
     total = computed + scheduled
     held = -(-total // block_size) - (computed - window + 1) // block_size
     seq = Sequence(0, [5] * total, SamplingParams())
@@ -334,10 +337,7 @@ def test_the_start_up_check_sees_decode_blocks_read_the_wrong_sequence(monkeypat
         step.block_seq[:meta.decode_token_idx.numel()] = 0
         return step
 
-    spec = ModelSpec("LlamaForCausalLM", 1, HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, 100, 256,
-                     None)
-    runner = ModelRunner(None, spec, torch.device("cpu"), torch.float32, 24, 16,
-                         FlexAttention(torch.device("cpu")))
+    runner = pool_runner(FlexAttention(torch.device("cpu")), torch.device("cpu"), 24, 16)
     assert check_attention_backend(runner) < 1e-4
     monkeypatch.setattr(FlexAttention, "prepare", first_decodes_pages)
     with pytest.raises(AssertionError, match="differs from the reference"):
