@@ -20,6 +20,11 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 CUDAGRAPH_MODES = ("full_and_piecewise", "full", "none")
 # Weight-only quantization applied at load (engine/models/int8_linear.py).
 QUANTIZATIONS = ("int8",)
+# A busy step holds this many sequences or more (max_num_seqs, if fewer); the gauges time busy
+# steps alone: a step of one or two costs several times more per sequence (its fixed cost
+# shared by few) and leaves the host idle anyway. The HTTP threads' CPU priority is decided on
+# what busy steps cost (handler/cpu_priority.py).
+BUSY_STEP_SEQUENCES = 8
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,11 @@ class EngineConfig:
                f"one of {', '.join(CUDAGRAPH_MODES)}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a fraction in (0, 1]")
+
+    @property
+    def busy_step_sequences(self) -> int:
+        """Sequences that make a step busy (BUSY_STEP_SEQUENCES)."""
+        return min(BUSY_STEP_SEQUENCES, self.max_num_seqs)
 
     @property
     def is_contiguous(self) -> bool:

@@ -71,8 +71,9 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._last_batch: ScheduledBatch | None = None
         self._preemptions_reported = 0  # by last_step_stats, which reports the new ones
-        self._step_seconds = 0.0  # every step's time, and its sequences, summed for the gauges
-        self._sequence_steps = 0
+        self.busy_step_sequences = config.busy_step_sequences  # a test may lower it
+        self._busy_step_seconds = 0.0  # busy steps' time, and their sequences, for the gauges
+        self._busy_sequence_steps = 0
         self.phases: PhaseClock = NoPhases()
         self.output_processor = OutputProcessor(tokenizer)
         self._guided: GuidedDecoding | None = None  # see `guided`
@@ -312,8 +313,9 @@ class LLMEngine:
         preempted = self.scheduler.num_preemptions - self._preemptions_reported
         self._preemptions_reported = self.scheduler.num_preemptions
         num_seqs = len(batch.seqs) if batch else 0
-        self._step_seconds += seconds
-        self._sequence_steps += num_seqs
+        if num_seqs >= self.busy_step_sequences:
+            self._busy_step_seconds += seconds
+            self._busy_sequence_steps += num_seqs
         return StepStats(
             num_seqs=num_seqs,
             num_prefill_tokens=batch.num_prefill_tokens if batch else 0,
@@ -333,8 +335,8 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             kv_blocks_used=allocator.num_used_blocks, kv_blocks_total=allocator.num_blocks,
             kv_block_size=allocator.block_size, max_concurrency=self.max_concurrency,
-            prefix_cache_hit_rate=hit_rate, total_step_seconds=self._step_seconds,
-            total_sequence_steps=self._sequence_steps)
+            prefix_cache_hit_rate=hit_rate, busy_step_seconds=self._busy_step_seconds,
+            busy_sequence_steps=self._busy_sequence_steps)
 
     def _outputs(self, batch: ScheduledBatch,
                  samples: list[SampledToken | None]) -> list[StepOutput]:

@@ -69,5 +69,8 @@ class Gauges(NamedTuple):
     kv_block_size: int  # tokens per block; max_model_len for the contiguous strategies
     max_concurrency: int  # sequences of max_model_len tokens the pool holds at once
     prefix_cache_hit_rate: float  # prompt blocks found / looked up; 0 without prefix caching
-    total_step_seconds: float = 0.0  # in steps since start-up (as timed for StepStats)
-    total_sequence_steps: int = 0  # the sequences of those steps, summed (a batch of 8: 8)
+    # What a busy step costs per sequence: the time of every step since start-up that held at
+    # least LLMEngine.busy_step_sequences sequences (as timed for StepStats), and their
+    # sequences summed (a batch of 8: 8)
+    busy_step_seconds: float = 0.0
+    busy_sequence_steps: int = 0

@@ -112,7 +112,7 @@ def on_ready(state: ServerState) -> None:
     freeze_start_up_heap()
     if state.serves_core_process():  # a core on a thread of this process would slow down too
         step_back_for_core(state.config.api_server_nice, state.config.api_server_count,
-                           state.engine.gauges)
+                           state.engine.gauges, state.config.engine.busy_step_sequences)
 
 
 # Spins of libgomp's wait after a parallel region before its thread sleeps (~85 µs on a 2-vCPU

@@ -11,8 +11,12 @@ millisecond or more per sequence: the HTTP side then needs a few percent of a CP
 nothing to arbitrate, and behind the core's OpenMP threads its writes only come out in bursts
 (docs/benchmark/cpu-2026-11-27-nice-auto/). So `auto` steps back only where the host has a
 CPU for the core besides one per HTTP process (with a single CPU the HTTP side would starve,
-and it must hand the core its requests) and the core's steps, measured while serving, cost
-less than STEP_BACK_BELOW_SECONDS_PER_SEQUENCE per sequence.
+and it must hand the core its requests) and the core's busy steps, measured while serving,
+cost less than STEP_BACK_BELOW_SECONDS_PER_SEQUENCE per sequence. Busy: holding 8 sequences
+or more (engine.config.BUSY_STEP_SEQUENCES; fewer only where max_rolling_batch_size is
+smaller). A step of one sequence costs the tiny model ~500 µs, a full one ~20 µs each: a
+server first tried by one client at a time would otherwise keep its priority for good, and
+the host is only short of CPU when the batches are full.
 
 Linux keeps a niceness per thread, and a new thread takes its starter's, so every thread of
 the process is set at once (the core process, started before, keeps its own). Auto decides
@@ -39,7 +43,7 @@ CGROUP = Path("/sys/fs/cgroup")
 # Ten times the HTTP side's CPU per streamed token on a 2-vCPU host (~20 µs): above it, the
 # HTTP side needs under a tenth of what the core does and stepping back cannot buy much.
 STEP_BACK_BELOW_SECONDS_PER_SEQUENCE = 200e-6
-SEQUENCE_STEPS_TO_DECIDE = 1024  # measured before auto decides (a step of 8 sequences: 8)
+SEQUENCE_STEPS_TO_DECIDE = 1024  # of busy steps, before auto decides (a step of 8: 8)
 DECIDE_POLL_SECONDS = 0.5
 
 
@@ -118,19 +122,20 @@ def _lower(tid: int, increment: int) -> None:
 
 
 def step_back_for_core(setting: int | None, api_server_count: int,
-                       gauges: Callable[[], Gauges]) -> None:
+                       gauges: Callable[[], Gauges], busy_step_sequences: int) -> None:
     """Lower this HTTP process's threads below its engine core process (`setting`: the
     option.api_server_nice value, None for auto), and log what was done. Auto with a CPU to
     spare decides on a thread of its own once the core (`gauges`) has run
-    SEQUENCE_STEPS_TO_DECIDE sequence-steps."""
+    SEQUENCE_STEPS_TO_DECIDE sequence-steps in busy steps (none run: it never decides)."""
     cpus = usable_cpus()
     if setting is not None or cpus <= api_server_count:
         _step_back_and_log(resolve_nice(setting, api_server_count, cpus), setting,
                            api_server_count, cpus)
         return
     logger.info("HTTP threads keep their CPU priority until the engine core has run %d "
-                "sequence-steps (option.api_server_nice=auto: +%d where its steps cost under "
-                "%.0f µs per sequence)", SEQUENCE_STEPS_TO_DECIDE, MAX_NICE,
+                "sequence-steps in steps of %d sequences or more (option.api_server_nice=auto: "
+                "+%d where those cost under %.0f µs per sequence)", SEQUENCE_STEPS_TO_DECIDE,
+                busy_step_sequences, MAX_NICE,
                 STEP_BACK_BELOW_SECONDS_PER_SEQUENCE * 1e6)
     threading.Thread(target=_decide_when_measured, args=(gauges, api_server_count, cpus),
                      name="cpu-priority", daemon=True).start()
@@ -138,11 +143,11 @@ def step_back_for_core(setting: int | None, api_server_count: int,
 
 def _decide_when_measured(gauges: Callable[[], Gauges], api_server_count: int, cpus: int,
                           poll_seconds: float = DECIDE_POLL_SECONDS) -> None:
-    while (now := gauges()).total_sequence_steps < SEQUENCE_STEPS_TO_DECIDE:
+    while (now := gauges()).busy_sequence_steps < SEQUENCE_STEPS_TO_DECIDE:
         if not now.alive:  # the engine stopped first: nothing to step back for
             return
         time.sleep(poll_seconds)
-    per_sequence = now.total_step_seconds / now.total_sequence_steps
+    per_sequence = now.busy_step_seconds / now.busy_sequence_steps
     _step_back_and_log(resolve_nice(None, api_server_count, cpus, per_sequence), None,
                        api_server_count, cpus, per_sequence)
 
@@ -152,7 +157,7 @@ def _step_back_and_log(increment: int, setting: int | None, api_server_count: in
     threads = step_back(increment)
     how = "auto" if setting is None else str(setting)
     cost = ("" if per_sequence is None else
-            f", the core's steps {per_sequence * 1e6:.0f} µs per sequence")
+            f", the core's busy steps {per_sequence * 1e6:.0f} µs per sequence")
     if threads:
         logger.info("HTTP threads at niceness +%d (%d threads; option.api_server_nice=%s, %d "
                     "usable CPUs%s): the engine core process gets a CPU first", increment,

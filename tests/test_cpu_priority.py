@@ -71,8 +71,8 @@ def _gauges(sequence_steps: int, step_seconds: float, alive: bool = True) -> Gau
 ])
 def test_auto_decides_once_the_core_has_run_enough_steps(monkeypatch, caplog, seconds,
                                                           expected, logged) -> None:
-    """Nothing is decided until SEQUENCE_STEPS_TO_DECIDE sequence-steps are measured; then
-    the measured cost decides, once, and the log says it with the figure."""
+    """Nothing is decided until busy steps of SEQUENCE_STEPS_TO_DECIDE sequence-steps are
+    measured; then their cost decides, once, and the log says it with the figure."""
     taken: list[int] = []
     monkeypatch.setattr(cpu_priority, "step_back",
                         lambda increment: taken.append(increment) or 9 * (increment > 0))
@@ -81,7 +81,7 @@ def test_auto_decides_once_the_core_has_run_enough_steps(monkeypatch, caplog, se
     with caplog.at_level(logging.INFO):
         cpu_priority._decide_when_measured(lambda: next(seen), 1, 2, poll_seconds=0)
     assert taken == [expected]
-    assert next(seen).total_sequence_steps == 2048  # it stopped looking once decided
+    assert next(seen).busy_sequence_steps == 2048  # it stopped looking once decided
     per_sequence = round(seconds / SEQUENCE_STEPS_TO_DECIDE * 1e6)
     assert logged in caplog.text and f"{per_sequence} µs per sequence" in caplog.text
 

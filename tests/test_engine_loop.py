@@ -245,21 +245,27 @@ def test_gauges_show_a_request_gone_as_soon_as_its_last_event_arrives(served) ->
     assert gauges.alive and gauges.kv_blocks_total > 0
 
 
-def test_gauges_sum_every_steps_time_and_sequences(engine) -> None:
-    """The gauges carry what the core's steps cost per sequence (the HTTP threads' CPU
-    priority is decided by it): the sums of every step's StepStats."""
+def test_gauges_time_busy_steps_alone(engine) -> None:
+    """The gauges carry what the core's busy steps cost per sequence (the HTTP threads' CPU
+    priority is decided by it): the sums of the StepStats of every step that held
+    busy_step_sequences sequences or more; a step of fewer, which costs more per sequence and
+    leaves the host idle anyway, is left out."""
+    assert engine.busy_step_sequences == min(8, engine.config.max_num_seqs) == 4
+    engine.busy_step_sequences = 2
     steps: list[StepStats] = []
     client = EngineClient(engine, 4, steps.append)
     client.start()
     try:
-        handles = [client.submit(request(greedy(n))) for n in (3, 6)]
+        handles = [client.submit(request(greedy(n))) for n in (6, 12)]
         assert all(collect(h)[-1].finished for h in handles)
         gauges = client.gauges()
     finally:
         client.shutdown(grace_seconds=0)
-    assert gauges.total_sequence_steps == sum(s.num_seqs for s in steps) >= 9  # a step per token
-    assert gauges.total_step_seconds == pytest.approx(sum(s.step_seconds for s in steps))
-    assert gauges.total_step_seconds > 0
+    busy = [s for s in steps if s.num_seqs >= 2]
+    assert busy and len(busy) < len(steps)  # the 12-token request's last steps ran alone
+    assert gauges.busy_sequence_steps == sum(s.num_seqs for s in busy)
+    assert gauges.busy_step_seconds == pytest.approx(sum(s.step_seconds for s in busy))
+    assert gauges.busy_step_seconds > 0
 
 
 class _CoreAhead:
