@@ -1,0 +1,34 @@
+"""Served / offline per round, for each client, from a rounds.sh output: the median, the range
+and how many rounds reached 0.9.
+
+    python docs/benchmark/cpu-2026-11-27-native-client/ratios.py ROUNDS_OUTPUT
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+LINE = re.compile(r"round (\d+) (\S+)\s+(?:Requests/sec: )?\s*([\d.]+)")
+
+
+def main() -> None:
+    rounds: dict[int, dict[str, float]] = defaultdict(dict)
+    with open(sys.argv[1]) as lines:
+        for line in lines:
+            if match := LINE.match(line):
+                rounds[int(match[1])][match[2]] = float(match[3])
+    clients = [name for name in next(iter(rounds.values())) if name != "offline"]
+    for name in clients:
+        ratios = [r[name] / r["offline"] for r in rounds.values() if name in r]
+        rates = [r[name] for r in rounds.values() if name in r]
+        print(f"{name:20s} served / offline median {statistics.median(ratios):.3f} "
+              f"({min(ratios):.3f}-{max(ratios):.3f}), {sum(x >= 0.9 for x in ratios)} of "
+              f"{len(ratios)} rounds >= 0.9; req/s median {statistics.median(rates):.1f}")
+    print(f"offline req/s median {statistics.median(r['offline'] for r in rounds.values()):.1f}")
+
+
+if __name__ == "__main__":
+    main()
