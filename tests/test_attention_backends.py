@@ -194,9 +194,14 @@ def kernel_reads(block_mask, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def gpu_flex(backend: FlexAttention, meta: AttentionMetadata, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The flex backend's output as the GPU kernel would compute it (no compile)."""
+    """The flex backend's output as the GPU kernel would compute it (no compile), from lists
+    as the kernel loads them: int32, contiguous, no count past its loop bound."""
     step = meta.backend_state
     step.block_mask = backend._block_mask(step, k.shape[0], meta.page_size)
+    counts, lists = step.block_mask.kv_num_blocks, step.block_mask.kv_indices
+    assert counts.dtype == lists.dtype == torch.int32
+    assert counts.is_contiguous() and lists.is_contiguous()
+    assert int(counts.max()) <= -(-k.shape[0] // step.block_mask.BLOCK_SIZE[1])
     q_rows = q.new_zeros(step.q_seq.numel(), *q.shape[1:]).index_copy_(0, step.token_rows, q)
     return kernel_reads(step.block_mask, q_rows, k, v, scale).index_select(0, step.token_rows)
 
@@ -213,6 +218,16 @@ def test_the_gpu_kernels_reading_of_the_block_mask_matches_the_reference(case) -
         want = reference_attention(q, k, v, meta, 0.25)
         torch.testing.assert_close(gpu_flex(backend, meta, q, k, v, 0.25), want, atol=1e-5,
                                    rtol=0)
+
+
+def test_on_cuda_flex_runs_the_kernel_that_kernel_reads_emulates() -> None:
+    """kernel_reads emulates torch's main Triton template: a program per 16-row query block
+    and head. Below 128 query rows torch would pick flex_decoding instead, which packs several
+    heads' rows into a program and picks its mask row another way, untried with this layout:
+    the CUDA options pin the main kernel, with tiles equal to the BlockMask's blocks."""
+    options = FlexAttention(torch.device("cuda"), kv_block=16).kernel_options
+    assert options == {"BLOCK_M": QUERY_BLOCK, "BLOCK_N": 16, "BACKEND": "TRITON"}
+    assert FlexAttention(torch.device("cpu")).kernel_options is None  # one kernel on CPU
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
