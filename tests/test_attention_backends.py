@@ -233,9 +233,11 @@ def test_on_cuda_flex_runs_the_kernel_that_kernel_reads_emulates() -> None:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("block_size", [16, 4])
-@pytest.mark.parametrize("computed,scheduled", [(600, 1), (592, 8), (200, 1)])
+@pytest.mark.parametrize("computed,scheduled,num_seqs,dtype", [
+    (600, 1, 1, torch.float32), (592, 8, 1, torch.float32), (200, 1, 1, torch.float32),
+    (600, 1, 2, torch.bfloat16)])  # two decodes side by side, as a served bf16 model's
 def test_a_window_slid_past_more_pages_than_the_pool_holds(device, block_size, computed,
-                                                           scheduled) -> None:
+                                                           scheduled, num_seqs, dtype) -> None:
     """A windowed table names the scratch block for every page its sequence slid past (a
     model whose every layer has the window serves sequences longer than the pool). Listed
     once per such page, the scratch block filled the kernel's loop bound before the visible
@@ -245,22 +247,27 @@ def test_a_window_slid_past_more_pages_than_the_pool_holds(device, block_size, c
     backend = FlexAttention(device)
     backend.reserve(4, 1024)
     runner = pool_runner(backend, device, num_blocks, block_size, window, max_positions=4096)
-    total = computed + scheduled
-    held = -(-total // block_size) - (computed - window + 1) // block_size
-    seq = Sequence(0, [5] * total, SamplingParams())
-    seq.num_computed_tokens = computed
+    total, pages = computed + scheduled, -(-(computed + scheduled) // block_size)
+    held = pages - (computed - window + 1) // block_size
     scratch = num_blocks  # BlockManager.outside_window: the runner's scratch block
-    seq.block_table = [scratch] * (-(-total // block_size) - held) + list(range(held))
+    seqs = []
+    for i in range(num_seqs):  # each holds its own last pages, the rest name the scratch block
+        seq = Sequence(i, [5] * total, SamplingParams())
+        seq.num_computed_tokens = computed
+        seq.block_table = [scratch] * (pages - held) + list(range(i * held, (i + 1) * held))
+        seqs.append(seq)
     slots = (num_blocks + 1) * block_size
     torch.manual_seed(block_size + computed)
-    k, v = (torch.randn(slots, KV_HEADS, HEAD_DIM, device=device) for _ in range(2))
+    k, v = (torch.randn(slots, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+            for _ in range(2))
     with torch.inference_mode():
-        meta = runner.attention_metadata(ScheduledBatch((seq,), (scheduled,)))
-        q = torch.randn(scheduled, HEADS, HEAD_DIM, device=device)
+        meta = runner.attention_metadata(ScheduledBatch(tuple(seqs), (scheduled,) * num_seqs))
+        q = torch.randn(scheduled * num_seqs, HEADS, HEAD_DIM, device=device, dtype=dtype)
         got = (gpu_flex(backend, meta, q, k, v, 0.25) if device.type == "cpu"
                else backend.forward(q, k, v, meta, 0.25))
-        want = reference_attention(q, k, v, meta, 0.25)
-    torch.testing.assert_close(got, want, atol=1e-5 if device.type == "cpu" else 1e-4, rtol=0)
+        want = reference_attention(q.float(), k.float(), v.float(), meta, 0.25)
+    tolerance = (2e-2 if dtype == torch.bfloat16 else 1e-5 if device.type == "cpu" else 1e-4)
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=0)
     counts = meta.backend_state.block_mask.kv_num_blocks
     assert counts.max() <= -(-(window + scheduled) // 16) + 1  # the window's blocks, not ctx's
 
