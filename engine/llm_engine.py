@@ -71,7 +71,6 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._last_batch: ScheduledBatch | None = None
         self._preemptions_reported = 0  # by last_step_stats, which reports the new ones
-        self.busy_step_sequences = config.busy_step_sequences  # a test may lower it
         self._busy_step_seconds = 0.0  # busy steps' time, and their sequences, for the gauges
         self._busy_sequence_steps = 0
         self.phases: PhaseClock = NoPhases()
@@ -313,7 +312,7 @@ class LLMEngine:
         preempted = self.scheduler.num_preemptions - self._preemptions_reported
         self._preemptions_reported = self.scheduler.num_preemptions
         num_seqs = len(batch.seqs) if batch else 0
-        if num_seqs >= self.busy_step_sequences:
+        if num_seqs >= self.config.busy_step_sequences:
             self._busy_step_seconds += seconds
             self._busy_sequence_steps += num_seqs
         return StepStats(

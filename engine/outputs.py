@@ -70,7 +70,7 @@ class Gauges(NamedTuple):
     max_concurrency: int  # sequences of max_model_len tokens the pool holds at once
     prefix_cache_hit_rate: float  # prompt blocks found / looked up; 0 without prefix caching
     # What a busy step costs per sequence: the time of every step since start-up that held at
-    # least LLMEngine.busy_step_sequences sequences (as timed for StepStats), and their
+    # least EngineConfig.busy_step_sequences sequences (as timed for StepStats), and their
     # sequences summed (a batch of 8: 8)
     busy_step_seconds: float = 0.0
     busy_sequence_steps: int = 0

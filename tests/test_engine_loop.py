@@ -3,6 +3,7 @@ and /ping following the loop's life."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 from types import SimpleNamespace
@@ -245,13 +246,14 @@ def test_gauges_show_a_request_gone_as_soon_as_its_last_event_arrives(served) ->
     assert gauges.alive and gauges.kv_blocks_total > 0
 
 
-def test_gauges_time_busy_steps_alone(engine) -> None:
+def test_gauges_time_busy_steps_alone(model_dir) -> None:
     """The gauges carry what the core's busy steps cost per sequence (the HTTP threads' CPU
     priority is decided by it): the sums of the StepStats of every step that held
     busy_step_sequences sequences or more; a step of fewer, which costs more per sequence and
     leaves the host idle anyway, is left out."""
-    assert engine.busy_step_sequences == min(8, engine.config.max_num_seqs) == 4
-    engine.busy_step_sequences = 2
+    engine = make_engine(model_dir, "continuous", max_num_seqs=2)
+    assert engine.config.busy_step_sequences == 2  # max_num_seqs, under BUSY_STEP_SEQUENCES
+    assert dataclasses.replace(engine.config, max_num_seqs=32).busy_step_sequences == 8
     steps: list[StepStats] = []
     client = EngineClient(engine, 4, steps.append)
     client.start()
