@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from benchmark.device_time import device_busy, device_sync
 from benchmark.workloads import LMI_WORKLOAD, Lengths, synthetic_jobs
-from engine.phases import PHASES, NoPhases, StepPhases
+from engine.observe.phases import PHASES, NoPhases, StepPhases
 
 
 class MeasuredStep(NamedTuple):

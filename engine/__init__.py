@@ -6,7 +6,6 @@ is what /ping and /metrics report. LLMEngine is the same engine without the thre
 offline use. No flask and no env reads in engine/; importing this module does not import torch.
 """
 
-from engine.client import EngineClient
 from engine.config import (
     ATTENTION_BACKENDS,
     BATCHING_STRATEGIES,
@@ -18,17 +17,18 @@ from engine.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
-from engine.core_server import CoreAddress, CoreServer
+from engine.core.server import CoreAddress, CoreServer
 from engine.guided import GuidedSpec, check_spec
 from engine.heap import freeze_start_up_heap
 from engine.inputs import GenerationRequest
 from engine.llm_engine import LLMEngine
-from engine.loop import CANCEL_CHECK_SECONDS, EngineDeadError, QueueFullError, RequestHandle
 from engine.model_files import ModelFileError, read_json_object
 from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
 from engine.outputs import Gauges, StepStats, TokenEvent
 from engine.sampling_params import MAX_TOP_LOGPROBS, RequestError, SamplingParams
 from engine.sequence import FinishReason
+from engine.serving.client import EngineClient
+from engine.serving.loop import CANCEL_CHECK_SECONDS, EngineDeadError, QueueFullError, RequestHandle
 
 __all__ = [
     "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "CANCEL_CHECK_SECONDS", "CUDAGRAPH_MODES",

@@ -16,7 +16,7 @@ LINEAR_BACKENDS = ("auto", "tiled", "onednn", "aten")
 # architecture has them, or transformers' own modules on batchyard's KV pool.
 MODEL_IMPLS = ("auto", "native", "transformers")
 # vLLM's CUDAGraphMode names: whole-step graphs, plus piecewise graphs for the steps past their
-# gather bound (engine/piecewise_graphs.py); whole-step graphs alone; none (enforce_eager)
+# gather bound (engine/runner/graphs/piecewise.py); whole-step graphs alone; none (enforce_eager)
 CUDAGRAPH_MODES = ("full_and_piecewise", "full", "none")
 # Weight-only quantization applied at load (engine/models/int8_linear.py).
 QUANTIZATIONS = ("int8",)

@@ -8,21 +8,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.async_check import choose_async_scheduling
 from engine.config import EngineConfig
 from engine.guided import GuidedDecoding
 from engine.inputs import GenerationRequest, RequestLimits
 from engine.kv.budget import max_concurrency
-from engine.output_processor import OutputProcessor, StepOutput
+from engine.observe.async_check import choose_async_scheduling
+from engine.observe.phases import NoPhases, PhaseClock
 from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
-from engine.phases import NoPhases, PhaseClock
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, build_scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.tokenizer_files import load_tokenizer
+from engine.text.output_processor import OutputProcessor, StepOutput
+from engine.text.tokenizer_files import load_tokenizer
 
 if TYPE_CHECKING:
-    from engine.model_runner import StepResult
+    from engine.runner.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class LLMEngine:
         self._guided: GuidedDecoding | None = None  # see `guided`
         # outputs step_outputs() has not returned yet (also: a grammar that failed at once)
         self._ready: list[StepOutput] = []
-        self.async_scheduling = False  # from_config decides (engine/async_check.py)
+        self.async_scheduling = False  # from_config decides (engine/observe/async_check.py)
         self._in_flight: _InFlight | None = None
         self._at_risk: list[ScheduledBatch] = []  # scheduled, tokens not read: a failure ends them
 
@@ -87,11 +87,12 @@ class LLMEngine:
         """Load tokenizer and weights, size the KV pool, build the strategy's scheduler."""
         # Imported here so that `import engine` (the handler choosing a strategy) skips torch.
         from engine.models.loader import eos_token_ids
-        from engine.runner_setup import build_rank_zero
+        from engine.runner.setup import build_rank_zero
 
-        # Before the rank: its first load imports transformers modules that register pytree types,
-        # and compiled attention graphs guard on their number (engine/attention/check.py). Its
-        # error waits for the rank's, which names what cannot be served about the model.
+        # Before the rank: its first load imports transformers modules that register pytree
+        # types, and compiled attention graphs guard on their number
+        # (engine/runner/attention_check.py). Its error waits for the rank's, which names what
+        # cannot be served about the model.
         try:
             tokenizer, tokenizer_error = load_tokenizer(config), None
         except Exception as err:
@@ -304,7 +305,8 @@ class LLMEngine:
 
     def measure_phases(self, phases: PhaseClock) -> None:
         """Time each phase of later steps with `phases` (NoPhases turns it off)."""
-        self.phases = self.runner.phases = phases
+        self.phases = phases
+        self.runner.measure(phases)
 
     def last_step_stats(self, seconds: float) -> StepStats:
         """Facts about the step just run, for metrics."""
@@ -363,5 +365,5 @@ def close_runner(runner) -> None:
     from engine.parallel.comm import leave_group
 
     runner.peers.stop()
-    runner.peers = None
+    runner.use_peers(None)
     leave_group()

@@ -250,7 +250,7 @@ EOF
     tar -czf "$OUT/sweep-logs.tar.gz" -C /tmp/gpu-check-sweep . 2> /dev/null
     grep -hE "heap frozen|tokenizer view built" /tmp/gpu-check-sweep/*/*.server.log | sed -E 's/^[0-9-]+ [0-9:,]+ //' \
         >> "$OUT/summary.txt"
-    # Slow steps and recompiles once serving (engine/step_watch.py): none expected since
+    # Slow steps and recompiles once serving (engine/observe/step_watch.py): none expected since
     # 11db9b8; the warm-up's own recompiles come before "model loaded"
     for log in /tmp/gpu-check-sweep/*/*.server.log; do
         awk '/model loaded in/{on=1} on' "$log" | grep -E "slow engine step|Recompiling|    - " | \

@@ -103,3 +103,23 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < end, "condition not reached"
         time.sleep(0.01)
+
+
+def padded_in_use(runner, *args, **kwargs):
+    """A padded decode path (engine/runner/graphs/setup.py) built over `runner` and handed to
+    it, as start-up does, without its check."""
+    from engine.runner.graphs.setup import build_padded_decode
+
+    padded = build_padded_decode(runner, *args, **kwargs)
+    runner.use_padded_decode(padded)
+    return padded
+
+
+def piecewise_in_use(runner, *args, **kwargs):
+    """A piecewise path built over `runner` and handed to it, as start-up does."""
+    from engine.runner.graphs.setup import build_piecewise
+
+    piecewise = build_piecewise(runner, *args, **kwargs)
+    runner.use_piecewise(piecewise)
+    return piecewise
+

@@ -1,5 +1,6 @@
 """The layering holds: handler/ reaches the engine only through its public face, engine/ knows
-nothing of the HTTP edge, and no import cycle exists, function-level imports included."""
+nothing of the HTTP edge, engine/'s packages import only the layers below them, and no import
+cycle exists, function-level imports included."""
 
 from __future__ import annotations
 
@@ -118,6 +119,96 @@ def test_engine_internals_do_not_import_the_public_face() -> None:
     back = [name for name, imports in graph.items()
             if name.startswith("engine.") and "engine" in imports]
     assert back == []
+
+
+# engine/'s rooms, bottom to top, and what each may import besides itself. "base" is the modules
+# directly in engine/ that every layer uses (config, the request's records); "face" is
+# engine/__init__.py. A new package, or a new edge between two, is a decision: make it here.
+ENGINE_BASE = ("config", "sequence", "sampling_params", "guided", "inputs", "outputs", "heap",
+               "model_files")
+ENGINE_LAYERS: dict[str, set[str]] = {
+    "base": set(),
+    "kernels": {"base"},
+    "kv": {"base"},
+    "text": {"base"},
+    "observe": {"base"},
+    "parallel": {"base"},
+    "attention": {"base", "kernels"},
+    "models": {"base", "kernels", "parallel", "attention"},
+    "scheduler": {"base", "kv", "models"},
+    "runner": {"base", "kernels", "kv", "observe", "parallel", "attention", "models",
+               "scheduler"},
+    "llm_engine": {"base", "kv", "text", "observe", "parallel", "models", "scheduler", "runner"},
+    "core": {"base", "text", "observe", "parallel", "runner", "llm_engine"},
+    "serving": {"base", "text", "core", "llm_engine"},
+    "face": {"base", "models", "llm_engine", "core", "serving"},
+}
+
+
+def engine_room(module: str) -> str:
+    """The room of ENGINE_LAYERS an engine module lives in."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "face"
+    if parts[1] in ENGINE_BASE:
+        return "base"
+    return parts[1]
+
+
+def test_engine_packages_import_only_the_layers_below() -> None:
+    modules = our_modules()
+    rooms = {engine_room(name) for name in modules if name.startswith("engine")}
+    assert rooms == set(ENGINE_LAYERS), "a module of engine/ outside every listed room"
+    upward = sorted((name, imported) for name, imports in import_graph().items()
+                    if name.startswith("engine") for imported in imports
+                    if imported.startswith("engine")
+                    and engine_room(imported) != engine_room(name)
+                    and engine_room(imported) not in ENGINE_LAYERS[engine_room(name)])
+    assert upward == []
+
+
+def test_engine_root_holds_at_most_twelve_modules() -> None:
+    assert len(list((ROOT / "engine").glob("*.py"))) <= 12
+
+
+def test_graphs_never_import_the_runner_they_are_handed_to() -> None:
+    """engine/runner/graphs/ builds step objects; runner/graphs/setup.py hands them to the
+    ModelRunner (typed under TYPE_CHECKING only), which imports them."""
+    above = {"engine.runner.model_runner", "engine.runner.setup",
+             "engine.runner.attention_check"}
+    reaching_up = [(name, imported) for name, imports in import_graph().items()
+                   if name.startswith("engine.runner.graphs")
+                   for imported in imports if imported in above]
+    assert reaching_up == []
+
+
+def runner_field_writes(path: Path) -> list[str]:
+    """`runner.x = ...` / `self.runner.x = ...` (any depth ending in `.runner.x`) in a file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                   else [])
+        for target in targets:
+            owner = target.value if isinstance(target, ast.Attribute) else None
+            name = (owner.id if isinstance(owner, ast.Name)
+                    else owner.attr if isinstance(owner, ast.Attribute) else None)
+            if name == "runner":
+                found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_nothing_outside_the_runner_assigns_its_fields(tmp_path) -> None:
+    """The runner's paths (graphs, attention backend, peers, phase clock) change through its
+    use_* methods, so that what it holds is decided in one file."""
+    writes = [w for path in (ROOT / "engine").rglob("*.py")
+              if path != ROOT / "engine/runner/model_runner.py"
+              for w in runner_field_writes(path)]
+    assert writes == []
+    probe = tmp_path / "probe.py"
+    probe.write_text("runner.padded_decode = None\nself.runner.peers = p\nrunner.x += 1\n"
+                     "runner.use_peers(None)\nrunners = 1\n")
+    assert len(runner_field_writes(probe)) == 3
 
 
 def test_no_import_cycles() -> None:

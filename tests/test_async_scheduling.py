@@ -13,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineClient, GenerationRequest, SamplingParams
-from engine.async_check import choose_async_scheduling
 from engine.guided import GuidedSpec
-from engine.sampler import SampledRows
-from engine.step_buffer import StepBuffer
+from engine.observe.async_check import choose_async_scheduling
+from engine.runner.sampler import SampledRows
+from engine.runner.step_buffer import StepBuffer
 from tests.engine_harness import (
     Req,
     drive,
@@ -233,7 +233,7 @@ def test_a_start_up_check_that_disagrees_turns_it_off_loudly(tiny, monkeypatch, 
     says why, and the engine runs steps in order (and still right)."""
     path, prompts, new_tokens, refs = tiny
     monkeypatch.setattr(SampledRows, "ids", lambda self: self.packed[:, 0].long() + 1)
-    with caplog.at_level(logging.WARNING, logger="engine.async_check"):
+    with caplog.at_level(logging.WARNING, logger="engine.observe.async_check"):
         engine = make_engine(path, "paged", async_scheduling=True)
     assert not engine.async_scheduling
     assert "asynchronous scheduling is off" in caplog.text and "differ" in caplog.text
@@ -249,7 +249,7 @@ def test_auto_is_off_on_cpu_and_under_tensor_parallelism(tiny, caplog) -> None:
     assert engine.config.async_scheduling is None and not engine.async_scheduling
     engine.runner.peers = object()  # stands for the worker ranks: only its presence counts
     try:
-        with caplog.at_level(logging.WARNING, logger="engine.async_check"):
+        with caplog.at_level(logging.WARNING, logger="engine.observe.async_check"):
             assert not choose_async_scheduling(engine)
             assert "asynchronous scheduling" not in caplog.text  # auto: quietly off
             engine.config = dataclasses.replace(engine.config, async_scheduling=True)

@@ -24,8 +24,8 @@ from engine.attention.reference import (
     split_by_width,
 )
 from engine.attention.select import select_attention_backend
-from engine.model_runner import ModelRunner
 from engine.models.spec import ModelSpec
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
@@ -335,7 +335,7 @@ class _OffByOne(AttentionBackend):
 
 def test_a_backend_that_disagrees_is_caught_at_start_up(tmp_path) -> None:
     """auto falls back to the reference; a backend asked for by name stops start-up."""
-    from engine.attention.check import check_or_fall_back
+    from engine.runner.attention_check import check_or_fall_back
 
     engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4)
     runner = engine.runner
@@ -350,7 +350,7 @@ def test_a_backend_that_disagrees_is_caught_at_start_up(tmp_path) -> None:
 def test_the_start_up_check_sees_decode_blocks_read_the_wrong_sequence(monkeypatch) -> None:
     """Its synthetic step holds two decodes beside a chunk: a layout slip between decode
     blocks (here each reads the first decode's pages) fails it on the real kernel."""
-    from engine.attention.check import check_attention_backend
+    from engine.runner.attention_check import check_attention_backend
 
     prepare_step = FlexAttention.prepare
 
@@ -395,7 +395,7 @@ def test_grouped_decode_rows_give_the_ungrouped_result(window) -> None:
 
 
 def test_warm_up_buckets_cover_the_step_sizes_up_to_the_limits() -> None:
-    from engine.attention.check import WARM_UP_MAX_ROWS, warm_up_buckets
+    from engine.runner.attention_check import WARM_UP_MAX_ROWS, warm_up_buckets
 
     assert warm_up_buckets(512, 10**6) == [16, 32, 64, 128, 256, 512]
     assert warm_up_buckets(100, 10**6) == [16, 32, 64, 128]  # 100 tokens pad to 128
@@ -404,7 +404,7 @@ def test_warm_up_buckets_cover_the_step_sizes_up_to_the_limits() -> None:
 
 
 def test_warm_up_runs_each_bucket_and_leaves_the_pool_untouched(tmp_path) -> None:
-    from engine.attention.check import warm_up_attention
+    from engine.runner.attention_check import warm_up_attention
 
     engine = make_engine(build_tiny_model(tmp_path), "paged", block_size=4)
     calls = []

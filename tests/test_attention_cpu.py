@@ -9,13 +9,13 @@ import torch
 
 import engine.attention.select as backends
 import engine.kernels as kernels
-from engine.attention.check import check_or_fall_back
 from engine.attention.cpu import CpuPagedAttention, DecodeRows
 from engine.attention.reference import (
     ReferenceAttention,
     decode_visible,
     reference_attention,
 )
+from engine.runner.attention_check import check_or_fall_back
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 from tests.test_attention_backends import CASES, HEAD_DIM, HEADS, prepare, random_pool

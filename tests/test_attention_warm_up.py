@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import engine.attention.check as check
+import engine.runner.attention_check as check
 from engine import EngineConfig, LLMEngine
-from engine.tokenizer_files import TokenizerLoadError
+from engine.text.tokenizer_files import TokenizerLoadError
 from tests.models_fixtures import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ SERVE_IN_A_FRESH_PROCESS = """
 import json, sys
 import torch
 from torch._dynamo.utils import counters
-import engine.attention.check as check
+import engine.runner.attention_check as check
 check.WARM_UP_DEVICES = ("cuda", "cpu")
 from engine import EngineConfig, LLMEngine, SamplingParams
 engine = LLMEngine.from_config(EngineConfig(model=sys.argv[1], **json.loads(sys.argv[2])))
@@ -83,7 +83,7 @@ def test_refresh_compiles_again_once_the_pytree_registry_changed(model_dir, monk
             Registered, lambda x: ([], None), lambda children, context: Registered())
         try:
             compiled = counters["stats"]["unique_graphs"]
-            with caplog.at_level(logging.WARNING, "engine.attention.check"):
+            with caplog.at_level(logging.WARNING, "engine.runner.attention_check"):
                 assert check.refresh_warm_up(runner)
             # The premise: the change invalidated every warmed size (they compiled again) ...
             assert counters["stats"]["unique_graphs"] == compiled + WARMED_SIZES
@@ -127,7 +127,7 @@ def test_a_thread_core_refreshes_before_its_first_step(model_dir, monkeypatch, c
     torch.utils._pytree.register_pytree_node(
         Registered, lambda x: ([], None), lambda children, context: Registered())
     try:
-        with caplog.at_level(logging.WARNING, "engine.attention.check"):
+        with caplog.at_level(logging.WARNING, "engine.runner.attention_check"):
             client.start()
         assert "pytree registry went from" in caplog.text
     finally:

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 from flask import Flask
 
-from engine.loop import EngineLoop, RequestHandle
 from engine.outputs import TokenEvent
+from engine.serving.loop import EngineLoop, RequestHandle
 from handler.http.choices import HandleGroup
 from handler.http.direct_stream import DirectWriter, chunk
 from handler.http.generation import stream_response

@@ -23,11 +23,11 @@ from engine import (
     RequestError,
     SamplingParams,
 )
-from engine.core import CoreUpdate
-from engine.core_process import Readiness
+from engine.core.engine_core import CoreUpdate
+from engine.core.process import Readiness
 from engine.heap import freeze_start_up_heap
-from engine.output_processor import StepOutput
 from engine.outputs import Gauges, StepStats
+from engine.text.output_processor import StepOutput
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState

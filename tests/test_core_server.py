@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from engine import EngineClient, EngineConfig, GenerationRequest, SamplingParams
-from engine.core_server import CoreServer
+from engine.core.server import CoreServer
 from tests.engine_harness import MAX_MODEL_LEN, Req, drive, greedy, make_engine, wait_until
 from tests.models_fixtures import build_tiny_model
 

@@ -10,10 +10,10 @@ import engine.kernels as kernels
 from engine.attention.reference import store_kv
 from engine.models.cpu_fused import FusedCpuOps, fused_ops_for
 from engine.models.layers import RMSNorm, apply_rope
-from engine.sampler import Sampler
+from engine.runner.sampler import Sampler
+from engine.runner.step_buffer import StepBuffer
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.step_buffer import StepBuffer
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 

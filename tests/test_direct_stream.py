@@ -16,8 +16,8 @@ import pytest
 from flask import Flask
 from gunicorn import util
 
-from engine.loop import EngineLoop, RequestHandle
 from engine.outputs import TokenEvent
+from engine.serving.loop import EngineLoop, RequestHandle
 from handler.http.direct_stream import REFRAMED, DirectWriter, chunk, direct_socket
 from handler.http.generation import stream_response
 

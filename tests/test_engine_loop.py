@@ -20,12 +20,12 @@ from engine import (
     RequestError,
     SamplingParams,
 )
-from engine.core import CoreUpdate, EngineCore
+from engine.core.engine_core import CoreUpdate, EngineCore
 from engine.guided import GuidedDecoding
 from engine.inputs import AbortRequest, AddRequest, StopCore
-from engine.loop import EngineLoop, RequestHandle
-from engine.output_processor import StepOutput
 from engine.outputs import Gauges, StepStats
+from engine.serving.loop import EngineLoop, RequestHandle
+from engine.text.output_processor import StepOutput
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
@@ -110,7 +110,7 @@ def test_a_whole_answer_reader_is_woken_once_with_every_event_and_its_time(serve
             waits.append(timeout)
             return super().get(block, timeout)
 
-    monkeypatch.setattr("engine.loop.queue.SimpleQueue", Counted)
+    monkeypatch.setattr("engine.serving.loop.queue.SimpleQueue", Counted)
     streamed = collect(served.submit(request(greedy(9))))
     assert len(waits) >= len(streamed)  # events(): a blocking read per event
     waits.clear()

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import EngineClient, GenerationRequest, SamplingParams
-from engine.output_processor import OutputProcessor, StepOutput
+from engine.text.output_processor import OutputProcessor, StepOutput
 from tests.engine_harness import greedy, make_engine, wait_until
 from tests.models_fixtures import CORPUS, build_tiny_model
 

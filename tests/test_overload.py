@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from engine.tokenizer_pool import MAX_CHARS_PER_TOKEN, POOL_SIZE
+from engine.text.tokenizer_pool import MAX_CHARS_PER_TOKEN, POOL_SIZE
 from tests.app_harness import served_app
 from tests.engine_harness import MAX_MODEL_LEN
 from tests.models_fixtures import build_tiny_model

@@ -12,20 +12,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from engine import SamplingParams, decode_graphs_setup, model_runner
-from engine.decode_graphs import (
+from engine import SamplingParams
+from engine.kv.layout import shared_layout
+from engine.runner import model_runner
+from engine.runner.graphs import setup as graphs_setup
+from engine.runner.graphs.check import check_padded_decode
+from engine.runner.graphs.setup import capture_within_memory, prepare_decode_graphs
+from engine.runner.graphs.whole_step import (
     PaddedDecode,
     batch_buckets,
     graph_rows,
     width_buckets,
 )
-from engine.decode_graphs_setup import (
-    capture_within_memory,
-    check_padded_decode,
-    prepare_decode_graphs,
-)
-from engine.kv.layout import shared_layout
-from engine.step_plan import token_rows
+from engine.runner.step_plan import token_rows
 from tests.engine_harness import (
     MAX_MODEL_LEN,
     Req,
@@ -33,6 +32,7 @@ from tests.engine_harness import (
     greedy,
     hf_greedy,
     make_engine,
+    padded_in_use,
     staggered_requests,
 )
 from tests.models_fixtures import build_tiny_model
@@ -63,7 +63,7 @@ def padded_engine(path, batching: str, rows: int | None = None, **overrides):
     config = engine.config
     rows = rows or graph_rows(config.max_num_seqs,  # as the engine sizes it on CUDA
                               config.max_num_batched_tokens or config.max_num_seqs * MAX_MODEL_LEN)
-    padded = engine.runner.enable_padded_decode(rows, MAX_MODEL_LEN,
+    padded = padded_in_use(engine.runner, rows, MAX_MODEL_LEN,
                                                 max_seqs=config.max_num_seqs)
     return engine, recorded(padded)
 
@@ -262,7 +262,7 @@ def test_step_stats_say_which_steps_replayed_a_graph(tiny) -> None:
         graphs.append(engine.last_step_stats(0.001).graph)
     assert calls[:2] == [(8, 1), (4, 1)] and graphs[:2] == [True, False]
     assert not any(graphs[2:])  # decodes of one row: bucket (1, 1), no graph
-    engine.runner.padded_decode = None  # eager from now on
+    engine.runner.use_padded_decode(None)  # eager from now on
     engine.add_request("s", prompts[1], greedy(2))
     engine.step()
     assert not engine.last_step_stats(0.001).graph
@@ -287,15 +287,15 @@ def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty
     runner = engine.runner
     assert not prepare_decode_graphs(runner, False, 8, MAX_MODEL_LEN)  # CPU: no graphs
     assert runner.padded_decode is None
-    calls = recorded(runner.enable_padded_decode(8, MAX_MODEL_LEN))
+    calls = recorded(padded_in_use(runner, 8, MAX_MODEL_LEN))
     assert check_padded_decode(runner) < 1e-3
     assert not runner.kv_cache.any()
     windowed = any(w is not None for w in runner.layout.group_windows)  # one row past it
     assert [rows for rows, _ in calls] == [3 + windowed + 3]  # 3 decodes (+1), a 3-token chunk
-    calls = recorded(runner.enable_padded_decode(4, MAX_MODEL_LEN, max_seqs=2))
+    calls = recorded(padded_in_use(runner, 4, MAX_MODEL_LEN, max_seqs=2))
     check_padded_decode(runner)
     assert [rows for rows, _ in calls] == [4]  # a decode row and the chunk: the chunk goes first
-    padded = runner.enable_padded_decode(8, MAX_MODEL_LEN)
+    padded = padded_in_use(runner, 8, MAX_MODEL_LEN)
     broken = padded.forward
     padded.forward = lambda b, w: broken(b, w) + 1.0  # a graph that disagrees
     with pytest.raises(AssertionError, match="padded decode differs from eager"):
@@ -317,16 +317,16 @@ def test_graphs_that_run_out_of_memory_are_captured_again_for_half_the_rows(
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
         return len(padded.all_buckets())
 
-    monkeypatch.setattr(decode_graphs_setup, "capture_cuda_graphs",
+    monkeypatch.setattr(graphs_setup, "capture_cuda_graphs",
                         lambda padded, vocab: capture(padded, vocab, 16))
-    with caplog.at_level(logging.WARNING, logger="engine.decode_graphs_setup"):
+    with caplog.at_level(logging.WARNING, logger="engine.runner.graphs.setup"):
         padded, count, error = capture_within_memory(runner, 64, MAX_MODEL_LEN, True, 4)
     assert tried == [64, 32, 16] and padded.batch_buckets[-1] == 16
     assert runner.padded_decode is padded and count == len(padded.all_buckets()) and error < 1e-3
     assert "steps up to 64 tokens ran out of GPU memory (CUDA out of memory. Tried to allocate " \
            "2.00 GiB); trying 32" in caplog.text and not runner.kv_cache.any()
     tried.clear()
-    monkeypatch.setattr(decode_graphs_setup, "capture_cuda_graphs",
+    monkeypatch.setattr(graphs_setup, "capture_cuda_graphs",
                         lambda padded, vocab: capture(padded, vocab, 0))
     with pytest.raises(torch.OutOfMemoryError):
         capture_within_memory(runner, 64, MAX_MODEL_LEN, True, 4)
@@ -340,7 +340,7 @@ def test_graphs_that_run_out_of_memory_are_captured_again_for_half_the_rows(
 def test_the_start_up_check_catches_chunk_rows_that_miss_each_other(tiny, monkeypatch) -> None:
     path, _, _, _ = tiny
     runner = make_engine(path, "paged").runner
-    runner.enable_padded_decode(8, MAX_MODEL_LEN)
+    padded_in_use(runner, 8, MAX_MODEL_LEN)
 
     def blind(plan):  # each chunk token sees up to the position before its own
         rows = token_rows(plan)
@@ -368,7 +368,7 @@ def test_the_padded_forward_traces_as_one_graph(tiny) -> None:
     path, _, _, _ = tiny
     engine = make_engine(path, "paged", linear_backend="aten")
     engine.runner.model.use_fused_cpu_ops(None)
-    padded = engine.runner.enable_padded_decode(8, MAX_MODEL_LEN)
+    padded = padded_in_use(engine.runner, 8, MAX_MODEL_LEN)
     torch._dynamo.reset()
     with torch.no_grad():
         explained = torch._dynamo.explain(padded.forward)(8, 4)
@@ -396,7 +396,7 @@ def test_the_padded_forward_builds_no_tensor_from_host_data(tiny) -> None:
     path, _, _, _ = tiny
     engine = make_engine(path, "paged", linear_backend="aten")
     engine.runner.model.use_fused_cpu_ops(None)
-    padded = engine.runner.enable_padded_decode(8, MAX_MODEL_LEN)
+    padded = padded_in_use(engine.runner, 8, MAX_MODEL_LEN)
     host_born = HostBorn()
     with torch.no_grad(), host_born:
         padded.forward(8, 4)

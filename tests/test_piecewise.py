@@ -1,6 +1,6 @@
 """Piecewise steps on CPU: steps the whole-step graphs leave out (past their gather bound) run
 padded to a row bucket over static inputs, cut at each attention call, with attention eager on
-the real rows (engine/piecewise_graphs.py). Here the pieces run eagerly and are compared with
+the real rows (engine/runner/graphs/piecewise.py). Here the pieces run eagerly and are compared with
 transformers and the plain path; the capture's bookkeeping runs against a stand-in for
 torch.cuda's graph API; on a GPU the pieces are captured and compared with eager steps."""
 
@@ -13,11 +13,19 @@ import random
 import pytest
 import torch
 
-from engine import decode_graphs
-from engine.decode_graphs_setup import check_piecewise
-from engine.piecewise_graphs import PiecewiseStep
+from engine.runner.graphs import whole_step
+from engine.runner.graphs.check import check_piecewise
+from engine.runner.graphs.piecewise import PiecewiseStep
 from tests import test_padded_decode
-from tests.engine_harness import MAX_MODEL_LEN, Req, drive, greedy, make_engine
+from tests.engine_harness import (
+    MAX_MODEL_LEN,
+    Req,
+    drive,
+    greedy,
+    make_engine,
+    padded_in_use,
+    piecewise_in_use,
+)
 from tests.test_padded_decode import STRATEGIES, padded_engine, requests, sampled_tokens
 
 tiny = test_padded_decode.tiny  # the same models and references (llama, mistral, gemma3)
@@ -26,7 +34,7 @@ tiny = test_padded_decode.tiny  # the same models and references (llama, mistral
 def piecewise_engine(path, batching: str, rows: int = 64, **overrides):
     """An engine whose steps of up to `rows` tokens all run piecewise (no whole-step graphs)."""
     engine = make_engine(path, batching, **overrides)
-    return engine, engine.runner.enable_piecewise(rows, engine.config.max_num_seqs)
+    return engine, piecewise_in_use(engine.runner, rows, engine.config.max_num_seqs)
 
 
 @pytest.mark.parametrize("batching", STRATEGIES)
@@ -59,7 +67,7 @@ def test_steps_past_the_gather_bound_run_piecewise_beside_whole_step_graphs(tiny
     engine, calls = padded_engine(path, "paged", max_num_batched_tokens=16)
     padded = engine.runner.padded_decode
     padded.gather_limit = 64 * padded.token_bytes
-    piecewise = engine.runner.enable_piecewise(16, engine.config.max_num_seqs)
+    piecewise = piecewise_in_use(engine.runner, 16, engine.config.max_num_seqs)
     runner, paths = engine.runner, []
     execute = runner.execute
 
@@ -92,7 +100,7 @@ def test_prefix_cache_hits_and_preemption_recomputes_run_piecewise_as_plain(tiny
     for name in ("plain", "piecewise"):
         engine = make_engine(path, "paged", **options)
         if name == "piecewise":
-            piecewise = engine.runner.enable_piecewise(8, engine.config.max_num_seqs)
+            piecewise = piecewise_in_use(engine.runner, 8, engine.config.max_num_seqs)
         reqs = [Req(f"r{i}", p, greedy(16), 2 * i) for i, p in enumerate(prompts)]
         drive(engine, reqs)
         assert engine.scheduler.num_preemptions > 0 and engine.scheduler.allocator.prefix_hits
@@ -146,7 +154,7 @@ def test_padded_decode_on_cpu_runs_piecewise_too_unless_experts_or_eager(tmp_pat
                        enforce_eager=True).runner.piecewise is None
     full = make_engine(dense, "paged", padded_decode_on_cpu=True, cudagraph_mode="full").runner
     assert full.padded_decode is not None and full.piecewise is None  # whole-step graphs alone
-    assert full.padded_decode.gather_limit >= decode_graphs.MAX_PADDED_GATHER_BYTES
+    assert full.padded_decode.gather_limit >= whole_step.MAX_PADDED_GATHER_BYTES
     none = make_engine(dense, "paged", padded_decode_on_cpu=True, cudagraph_mode="none").runner
     assert none.padded_decode is None and none.piecewise is None
     experts = build_tiny_model(tmp_path / "moe", arch="mixtral")
@@ -170,7 +178,7 @@ def test_whole_step_graphs_are_bounded_by_the_bytes_they_gather(tiny) -> None:
     engine, _ = padded_engine(path, "paged", max_model_len=MAX_MODEL_LEN)
     padded = engine.runner.padded_decode
     assert padded.token_bytes == kv_bytes_per_token(path, element_size=4)
-    limit = decode_graphs.MAX_PADDED_GATHER_BYTES
+    limit = whole_step.MAX_PADDED_GATHER_BYTES
     assert padded.gather_limit == limit
     for rows, width in padded.all_buckets():
         assert rows * width * padded.page_size * padded.token_bytes <= limit
@@ -180,8 +188,8 @@ def test_whole_step_graphs_are_bounded_by_the_bytes_they_gather(tiny) -> None:
     assert padded.fits(2, widest) and not padded.fits(3, widest)  # bucket 4: 2x the bytes
     assert padded.fits(4, 2) and not padded.fits(4, widest)  # fewer pages, more rows
     # without pieces to take the rest (tensor parallelism, expert models), the old 2^17 tokens
-    alone = engine.runner.enable_padded_decode(16, MAX_MODEL_LEN, pieces_follow=False)
-    assert alone.gather_limit == max(limit, decode_graphs.MAX_PADDED_TOKENS_ALONE
+    alone = padded_in_use(engine.runner, 16, MAX_MODEL_LEN, pieces_follow=False)
+    assert alone.gather_limit == max(limit, whole_step.MAX_PADDED_TOKENS_ALONE
                                      * alone.token_bytes)
 
 
@@ -270,7 +278,7 @@ def test_piecewise_cuda_graphs_are_captured_checked_and_exact(tiny, batching,
     path, prompts, new_tokens, _ = tiny
     eager = requests(prompts, new_tokens)
     drive(make_engine(path, batching, device="cuda", enforce_eager=True), eager)
-    monkeypatch.setattr(decode_graphs, "MAX_PADDED_GATHER_BYTES",
+    monkeypatch.setattr(whole_step, "MAX_PADDED_GATHER_BYTES",
                         64 * kv_bytes_per_token(path, element_size=4))  # the tests' float32
     engine = make_engine(path, batching, device="cuda")
     piecewise = engine.runner.piecewise

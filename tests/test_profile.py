@@ -11,7 +11,7 @@ from benchmark import profile
 from benchmark.cli import main as bench_main
 from benchmark.device_time import kernel_time
 from benchmark.profile import ProfileRun, StepProfile, run_profile
-from engine.phases import PHASES, StepPhases
+from engine.observe.phases import PHASES, StepPhases
 from tests.engine_harness import Req, drive, greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 

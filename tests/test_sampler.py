@@ -16,10 +16,10 @@ from transformers import (
 )
 
 from engine.outputs import SampledToken
-from engine.sampler import Sampler, _uniform
+from engine.runner.sampler import Sampler, _uniform
+from engine.runner.step_buffer import StepBuffer
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.step_buffer import StepBuffer
 
 EOS = 3
 

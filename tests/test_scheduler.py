@@ -230,6 +230,6 @@ def test_scheduler_side_never_imports_torch() -> None:
     import subprocess
 
     code = ("import sys, engine.scheduler, engine.kv.allocator, engine.sequence, "
-            "engine.detokenizer;"
+            "engine.text.detokenizer;"
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

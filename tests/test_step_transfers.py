@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import engine.kernels as kernels
 from engine import SamplingParams
 from engine.guided import GuidedSpec
-from engine.sampler import sample
-from engine.step_buffer import StepBuffer
+from engine.runner.sampler import sample
+from engine.runner.step_buffer import StepBuffer
 from tests.engine_harness import make_engine
 from tests.models_fixtures import build_tiny_model
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from engine import EngineClient, GenerationRequest
+from engine.observe.step_watch import WARN_FIRST, StepWatch
 from engine.outputs import StepStats
-from engine.step_watch import WARN_FIRST, StepWatch
 from tests.engine_harness import greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 
-LOGGER = "engine.step_watch"
+LOGGER = "engine.observe.step_watch"
 
 
 def stats(seconds: float) -> StepStats:

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.loop import RequestHandle
 from engine.outputs import TokenEvent
+from engine.serving.loop import RequestHandle
 from handler.cli import CORE_OPENMP_SPIN_COUNT, brief_openmp_spin
 from handler.http.chat import parse_chat
 from handler.http.chat_route import ChoiceStream, _plain_content

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineClient, EngineConfig, EngineDeadError, GenerationRequest
 from engine.parallel.shard import Shard
-from engine.parallel.workers import WorkerGroup, WorkerLost
+from engine.runner.tp_workers import WorkerGroup, WorkerLost
 from handler.config.serving_config import ServingConfig
 from handler.http.app import create_app
 from handler.http.state import ServerState
@@ -124,7 +124,7 @@ def config(path, tp: int, **overrides) -> EngineConfig:
 
 def worker_pids(state: ServerState) -> list[int]:
     core = psutil.Process(state.engine._loop._core._process.pid)
-    return [p.pid for p in core.children() if "engine.parallel.worker" in " ".join(p.cmdline())]
+    return [p.pid for p in core.children() if "engine.core.tp_worker" in " ".join(p.cmdline())]
 
 
 def serve(path, tp: int, **overrides) -> tuple[ServerState, object]:
@@ -203,7 +203,7 @@ def test_the_server_exits_when_a_rank_dies_so_the_platform_replaces_it(llama, tm
     with running_server(tmp_path, path, properties) as server:
         gunicorn = psutil.Process(server.process.pid)
         (worker,) = [p for p in gunicorn.children(recursive=True)
-                     if "engine.parallel.worker" in " ".join(p.cmdline())]
+                     if "engine.core.tp_worker" in " ".join(p.cmdline())]
         worker.send_signal(signal.SIGKILL)
         assert server.process.wait(timeout=30) != 0
         assert "the engine stopped while serving" in server.log()
@@ -241,7 +241,7 @@ def test_a_worker_that_dies_while_starting_fails_the_start_at_once(llama, monkey
     assert isinstance(outcome[0], WorkerLost), outcome[0]
     assert "rank 1 exited" in str(outcome[0])
     assert not [p for p in psutil.Process().children(recursive=True)
-                if "engine.parallel.worker" in " ".join(p.cmdline())]
+                if "engine.core.tp_worker" in " ".join(p.cmdline())]
 
 
 def test_reports_read_together_are_each_taken_at_their_stage() -> None:

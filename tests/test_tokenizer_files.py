@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from engine import EngineClient, EngineConfig, LLMEngine
-from engine.tokenizer_files import TokenizerLoadError, load_tokenizer, tokenizer_problem
+from engine.text.tokenizer_files import TokenizerLoadError, load_tokenizer, tokenizer_problem
 from tests.models_fixtures import build_tiny_model
 
 

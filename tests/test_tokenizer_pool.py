@@ -1,4 +1,4 @@
-"""engine/tokenizer_pool.py: prompts encoded straight through the tokenizers backend give
+"""engine/text/tokenizer_pool.py: prompts encoded straight through the tokenizers backend give
 transformers' ids, and anything the start-up probe cannot vouch for goes through transformers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from engine.tokenizer_pool import TokenizerPool, encodes_alike
+from engine.text.tokenizer_pool import TokenizerPool, encodes_alike
 from tests.models_fixtures import build_tokenizer
 
 TEXTS = ["", "hello world", "The capital of France is", " leading and trailing ",
@@ -73,7 +73,7 @@ class _NoBackend:
 @pytest.mark.parametrize("odd", [_Renumbered, lambda _: _NoBackend()])
 def test_what_the_probe_cannot_vouch_for_goes_through_encode(tokenizer, odd, caplog) -> None:
     wrapped = odd(tokenizer)
-    with caplog.at_level(logging.INFO, logger="engine.tokenizer_pool"):
+    with caplog.at_level(logging.INFO, logger="engine.text.tokenizer_pool"):
         pool = TokenizerPool(wrapped)
     assert not pool.direct and not encodes_alike(wrapped)
     assert "transformers' encode" in caplog.text

@@ -67,7 +67,8 @@ class FlexAttention(AttentionBackend):
         self.capacity = 16
         self.max_pages = 16
         self.reserved_tokens = 0  # a sequence's most tokens, as reserved (pages follow from it)
-        # (max_rows, pytree types) of the latest warm-up (engine/attention/check.py); None: none
+        # (max_rows, pytree types) of the latest warm-up (engine/runner/attention_check.py);
+        # None: none
         self.warmed_up: tuple[int, int] | None = None
         # Triton tiles equal to the BlockMask's blocks, as in vLLM's flex backend: a query
         # block holds one sequence's rows (one, for a decode), so larger tiles would mostly

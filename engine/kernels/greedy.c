@@ -48,7 +48,7 @@ static int64_t first_argmax(const float *x, int64_t V) {
 }
 
 /* logits [S, V] → out [S, 2]: the chosen id and its log-probability, NaN where the row needs
- * PyTorch; packed as the sampler's one host copy is (engine/sampler.py). */
+ * PyTorch; packed as the sampler's one host copy is (engine/runner/sampler.py). */
 void batchyard_greedy(const float *logits, int64_t S, int64_t V, double *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t s = 0; s < S; ++s) {

@@ -30,12 +30,12 @@ from engine.attention.reference import (
     visible_positions,
 )
 from engine.kv.layout import KVLayout
-from engine.step_metadata import first_visible
+from engine.runner.step_metadata import first_visible
 
 logger = logging.getLogger(__name__)
 
 # Most bytes of K and V one padded step gathers for a layer (rows x width x page tokens): a
-# bigger bucket runs piecewise (engine/piecewise_graphs.py), so that the largest whole-step
+# bigger bucket runs piecewise (engine/runner/graphs/piecewise.py), so that the largest whole-step
 # graph's gather, which its memory pool holds, stays small beside the activation reserve.
 # 256 MiB is 2^17 tokens of a grouped-query 1B (8 KV heads of 64 in bf16: 2 KiB a token), the
 # bound measured on an H100 (graphs beat eager steps up to it); a 7B without grouped-query

@@ -3,7 +3,7 @@
 It reads AddRequest / AbortRequest / StopCore messages from an inbox, expires deadlines, runs
 engine.step_outputs() and publishes each step's token ids with the gauges and step facts as a
 CoreUpdate. Text, stop strings and callers live on the other side (EngineLoop). The same loop
-runs on a thread (ThreadCore) or in a process of its own (engine/core_process.py). A step far
+runs on a thread (ThreadCore) or in a process of its own (engine/core/process.py). A step far
 slower than usual is logged with its phases, garbage collections and compiles (StepWatch)."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from engine.heap import freeze_start_up_heap
 from engine.inputs import AbortRequest, AddRequest, StopCore
 from engine.llm_engine import LLMEngine
-from engine.output_processor import StepOutput
+from engine.observe.step_watch import StepWatch
 from engine.outputs import Gauges, StepStats
-from engine.parallel.workers import WorkerLost
+from engine.runner.tp_workers import WorkerLost
 from engine.sequence import FinishReason
-from engine.step_watch import StepWatch
+from engine.text.output_processor import StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def prepare_to_serve(engine: LLMEngine) -> None:
     """What a core process finishes before it reports ready: the guided tokenizer's background
     build (its GIL would stall the first steps), compiled attention still valid (else compiled
     again now), then freezing the start-up heap."""
-    from engine.attention.check import refresh_warm_up  # torch: the core has loaded it
+    from engine.runner.attention_check import refresh_warm_up  # torch: the core has loaded it
 
     engine.guided.wait_built()
     refresh_warm_up(engine.runner)
@@ -203,7 +203,7 @@ class ThreadCore:
     def start(self) -> None:
         """As a core process before it is ready: compiled attention still valid (else compiled
         again now, not in a served step). The heap is not frozen: this process goes on."""
-        from engine.attention.check import refresh_warm_up  # torch: the engine has loaded it
+        from engine.runner.attention_check import refresh_warm_up  # torch: the engine has loaded it
 
         refresh_warm_up(self.engine.runner)
         self._thread.start()

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.detokenizer import IncrementalText
 from engine.outputs import TokenEvent
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
+from engine.text.detokenizer import IncrementalText
 
 _STOP = FinishReason.STOP.value  # read once per row: an enum member's .value is a slow lookup
 

@@ -12,15 +12,15 @@ from collections.abc import Callable, Sequence
 from jinja2 import TemplateError
 
 from engine.config import EngineConfig
-from engine.core import ThreadCore
+from engine.core.engine_core import ThreadCore
 from engine.guided import GuidedDecoding
 from engine.inputs import GenerationRequest, RequestLimits
 from engine.llm_engine import LLMEngine
-from engine.loop import Core, EngineLoop, RequestHandle
 from engine.outputs import Gauges, StepStats
 from engine.sampling_params import RequestError
-from engine.tokenizer_files import load_tokenizer
-from engine.tokenizer_pool import MAX_CHARS_PER_TOKEN, TokenizerPool
+from engine.serving.loop import Core, EngineLoop, RequestHandle
+from engine.text.tokenizer_files import load_tokenizer
+from engine.text.tokenizer_pool import MAX_CHARS_PER_TOKEN, TokenizerPool
 
 
 class EngineClient:
@@ -41,7 +41,7 @@ class EngineClient:
         serving."""
         if not process:
             return cls(LLMEngine.from_config(config), max_queued, on_step)
-        from engine.core_process import ProcessCore
+        from engine.core.process import ProcessCore
 
         core = ProcessCore(config)  # loads the model while this process loads the tokenizer
         try:
@@ -57,9 +57,9 @@ class EngineClient:
     @classmethod
     def connect(cls, config: EngineConfig, path: str, authkey: bytes, max_queued: int,
                 on_step: Callable[[StepStats], None] | None = None) -> EngineClient:
-        """Serve through a core process that other processes share (engine/core_server.py):
+        """Serve through a core process that other processes share (engine/core/server.py):
         wait until it has loaded the model, then load the tokenizer."""
-        from engine.core_process import RemoteCore
+        from engine.core.process import RemoteCore
 
         core = RemoteCore(path, authkey)
         try:

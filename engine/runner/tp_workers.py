@@ -2,7 +2,7 @@
 step's plan to them.
 
 Rank 0 owns the scheduler; a worker rank only runs the model on the plan it reads from its stdin
-(engine/parallel/worker.py). A plan travels as one pickle per step over a pipe, not as a
+(engine/core/tp_worker.py). A plan travels as one pickle per step over a pipe, not as a
 collective, so an idle worker waits without a timeout, and the end of rank 0 (its pipe closing)
 ends the workers. The model's own collectives (engine/parallel/comm.py) time out instead.
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from engine.step_plan import StepPlan
+    from engine.runner.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class WorkerGroup:
             status, their_end = os.pipe()
             self._status.append(status)
             try:
-                proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"],
+                proc = subprocess.Popen([sys.executable, "-m", "engine.core.tp_worker"],
                                         stdin=subprocess.PIPE, pass_fds=(their_end,))
             finally:
                 os.close(their_end)  # theirs alone: its EOF then says the worker is gone

@@ -62,7 +62,7 @@ class CoreServer:
         # process, and each would inherit (and try to join at exit) a multiprocessing child.
         # It imports what this process can (sys.path), as multiprocessing's spawn does.
         start = (f"import sys; sys.path[:0] = {sys.path!r}; "
-                 "from engine.core_server import main; main()")
+                 "from engine.core.server import main; main()")
         self._process = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE)
         self._process.stdin.write(pickle.dumps(setup))
         self._process.stdin.close()
@@ -119,9 +119,12 @@ def main() -> None:
                      name="parent-watch", daemon=True).start()
     listener = Listener(setup.address.path, "AF_UNIX", backlog=64,
                         authkey=setup.address.authkey)
-    from engine.core import EngineCore, prepare_to_serve  # torch: once the socket is there
-    from engine.core_fronts import Fronts
-    from engine.core_process import CoreFailed, CoreReady
+    from engine.core.engine_core import (  # torch: once the socket is there
+        EngineCore,
+        prepare_to_serve,
+    )
+    from engine.core.fronts import Fronts
+    from engine.core.process import CoreFailed, CoreReady
     from engine.llm_engine import LLMEngine
 
     fronts = Fronts(listener)

@@ -5,7 +5,7 @@ H200 sweeps saw 0.3-0.7 s pauses of every stream when a burst of requests arrive
 take that long runs on the engine thread, or holds the GIL that thread needs, and leaves no
 trace of its own: a full garbage collection, torch.compile of a shape not compiled at
 start-up (what those pauses most likely were, found by this watch in a CPU rehearsal:
-engine/attention/check.py's pytree_types), a long wait on the device. The watch times the
+engine/runner/attention_check.py's pytree_types), a long wait on the device. The watch times the
 step's phases (a clock read per mark), the full collections of any thread (a gc callback)
 and torch.compile runs (dynamo's compile callbacks), and logs one warning per slow step
 naming them, with where the engine thread was once the step had run `slow_seconds` (a
@@ -23,8 +23,8 @@ import time
 import traceback
 from types import FrameType
 
+from engine.observe.phases import PhaseMarks
 from engine.outputs import StepStats
-from engine.phases import PhaseMarks
 
 logger = logging.getLogger(__name__)
 

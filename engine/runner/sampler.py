@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from engine.outputs import SampledToken
+from engine.runner.step_buffer import StepBuffer
 from engine.sequence import Sequence
-from engine.step_buffer import StepBuffer
 
 # logits [S, vocab] float32 → [S, 2] float64 (argmax id, its log-probability; NaN where the
 # kernel cannot tell, e.g. a row holding NaN): a faster greedy path (the CPU C kernel)

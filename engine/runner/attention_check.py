@@ -15,7 +15,7 @@ import time
 import torch
 
 from engine.attention.reference import ReferenceAttention, reference_attention
-from engine.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
@@ -177,7 +177,7 @@ def check_or_fall_back(runner: ModelRunner, asked: str) -> None:
                              f"check on this device: {err}") from err
         logger.warning("attention backend %s failed its start-up check (%s); using the "
                        "reference backend", runner.attention.name, err)
-        runner.attention = ReferenceAttention()
+        runner.use_attention(ReferenceAttention())
         return
     logger.info("attention backend %s matches the reference (max difference %s)",
                 runner.attention.name, "unchecked: pool too small" if error is None else

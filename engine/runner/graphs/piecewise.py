@@ -1,7 +1,7 @@
 """Steps too wide for a whole-step graph, run as CUDA graphs cut at every attention call.
 
-A whole-step graph (engine/decode_graphs.py) gathers each token row's context for attention, so
-its buckets stop at MAX_PADDED_GATHER_BYTES of rows x context: a 512-token chunk of a long
+A whole-step graph (whole_step.py) gathers each token row's context for attention, so its
+buckets stop at MAX_PADDED_GATHER_BYTES of rows x context: a 512-token chunk of a long
 prompt ran eagerly, host-bound (~15 ms for a 1B on an H100 against ~3 ms for a graphed decode
 step). Here such a step is padded to a row bucket over static inputs and runs as one graph per
 stretch of work between attention calls (embedding, norms, projections, RoPE, the KV store,
@@ -12,7 +12,7 @@ is zeros); only the sampled rows' logits are read.
 
 The same padded pieces run eagerly on CPU, which is how CI proves them (the cut is where the
 real attention runs); on CUDA they are captured after the whole-step graphs and checked against
-the eager step at start-up (engine/decode_graphs_setup.py).
+the eager step at start-up (engine/runner/graphs/setup.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.attention.reference import AttentionBackend, AttentionMetadata
-from engine.decode_graphs import batch_buckets, bucket_for
 from engine.kv.layout import KVLayout
+from engine.runner.graphs.whole_step import batch_buckets, bucket_for
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """EngineLoop: the serving side of the engine. Callers submit and read events; an output thread
-turns the core's token ids into text events. The core (engine/core.py) schedules and computes on
-a thread (ThreadCore) or in a process of its own (ProcessCore)."""
+turns the core's token ids into text events. The core (engine/core/engine_core.py) schedules
+and computes on a thread (ThreadCore) or in a process of its own (ProcessCore)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from engine.core import CoreMessage, CoreUpdate
+from engine.core.engine_core import CoreMessage, CoreUpdate
 from engine.inputs import AbortRequest, AddRequest, GenerationRequest, StopCore
-from engine.output_processor import OutputProcessor, StepOutput
 from engine.outputs import Gauges, StepStats, TokenEvent
 from engine.sequence import FinishReason
+from engine.text.output_processor import OutputProcessor, StepOutput
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ class StepPhases:
 
 class PhaseMarks:
     """The serving clock: one clock read per mark, summed per phase only when asked (a slow
-    step's report, engine/step_watch.py), so an ordinary step pays about a microsecond."""
+    step's report, engine/observe/step_watch.py), so an ordinary step pays about a microsecond."""
 
     def __init__(self) -> None:
         self._start = 0.0

@@ -1,6 +1,6 @@
 """What every rank builds alike: its shard of the model, its part of the KV pool, the start-up
 checks. Rank 0 adds the tokenizer and the scheduler (LLMEngine.from_config); tensor-parallel
-worker ranks (engine/parallel/worker.py) only this."""
+worker ranks (engine/core/tp_worker.py) only this."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.check import prepare_attention
 from engine.attention.select import select_attention_backend
 from engine.config import EngineConfig
-from engine.decode_graphs import graph_rows
-from engine.decode_graphs_setup import prepare_decode_graphs
 from engine.kv.budget import KVPlan, default_budget_bytes, plan_kv
 from engine.kv.layout import kv_layout
-from engine.model_runner import ModelRunner
 from engine.models.cpu_fused import fused_ops_for
 from engine.models.linear import pack_model_linears
 from engine.models.loader import load_model, resolve_device, resolve_dtype
 from engine.models.spec import ModelSpec
 from engine.parallel.comm import STARTUP_TIMEOUT, Collectives
 from engine.parallel.shard import Shard
+from engine.runner.attention_check import prepare_attention
+from engine.runner.graphs.setup import prepare_decode_graphs
+from engine.runner.graphs.whole_step import graph_rows
+from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     if hasattr(model, "use_fused_cpu_ops"):
         ops = fused_ops_for(model, dtype, runner.attention.name)
         model.use_fused_cpu_ops(ops)
-        runner.sampler.greedy = ops.greedy if ops is not None else None
+        runner.use_greedy_kernel(ops.greedy if ops is not None else None)
     if hasattr(model, "use_dense_moe_decode"):  # expert models: graph-safe decode on GPUs
         model.use_dense_moe_decode(device.type == "cuda" or config.padded_decode_on_cpu)
     eager = (config.enforce_eager or config.cudagraph_mode == "none"
@@ -98,7 +98,7 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     # a collective, so every rank asks, whatever its own answer
     if comm is not None and not comm.agree_all(graphs) and graphs:
         logger.warning("CUDA graphs off: another tensor-parallel rank could not use them")
-        runner.padded_decode = None
+        runner.use_padded_decode(None)
     return RankSetup(runner, spec, kv, max_model_len)
 
 
@@ -118,7 +118,7 @@ def build_rank_zero(config: EngineConfig) -> RankSetup:
     if size == 1:
         return build_rank(config, rank_device(config, Shard()))
     from engine.parallel.comm import init_group, leave_group
-    from engine.parallel.workers import WorkerGroup
+    from engine.runner.tp_workers import WorkerGroup
 
     workers = WorkerGroup(config, size)
     try:
@@ -136,7 +136,7 @@ def build_rank_zero(config: EngineConfig) -> RankSetup:
         workers.stop()
         leave_group()
         raise
-    setup.runner.peers = workers
+    setup.runner.use_peers(workers)
     return setup
 
 

@@ -1,8 +1,8 @@
 """ModelRunner: the only place that builds device tensors. Batch in, sampled tokens out.
 
 A step crosses between host and device twice: one upload of everything the host decided
-(engine/step_buffer.py) and one download of the sampled tokens (engine/sampler.py). Masks and
-aranges are derived on the device from the uploaded integers.
+(step_buffer.py) and one download of the sampled tokens (sampler.py). Masks and aranges are
+derived on the device from the uploaded integers.
 """
 
 from __future__ import annotations
@@ -17,24 +17,24 @@ from engine.attention.reference import (
     ReferenceAttention,
     page_size_for,
 )
-from engine.decode_graphs import PaddedDecode
 from engine.kv.layout import KVLayout, shared_layout
 from engine.models.spec import ModelSpec
+from engine.observe.phases import NoPhases, PhaseClock
 from engine.outputs import SampledToken
-from engine.parallel.workers import WorkerLost
-from engine.phases import NoPhases, PhaseClock
-from engine.piecewise_graphs import PiecewiseStep
-from engine.sampler import SampledRows, Sampler
+from engine.runner.graphs.piecewise import PiecewiseStep
+from engine.runner.graphs.whole_step import PaddedDecode
+from engine.runner.sampler import GreedyKernel, SampledRows, Sampler
+from engine.runner.step_buffer import StepBuffer
+from engine.runner.step_metadata import StepViews, describe_step
+from engine.runner.step_pages import stage_decodes, stage_prefill_pages
+from engine.runner.step_plan import StepPlan, pack_step, token_rows
+from engine.runner.tp_workers import WorkerLost
 from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
-from engine.step_buffer import StepBuffer
-from engine.step_metadata import StepViews, describe_step
-from engine.step_pages import stage_decodes, stage_prefill_pages
-from engine.step_plan import StepPlan, pack_step, token_rows
 
 
 class PlanSender(Protocol):
-    """Hands each step's plan to the other tensor-parallel ranks (engine/parallel/workers.py)."""
+    """Hands each step's plan to the other tensor-parallel ranks (engine/runner/tp_workers.py)."""
 
     def send(self, plan: StepPlan) -> None: ...
     def kill(self) -> None: ...
@@ -72,7 +72,7 @@ class ModelRunner:
         self.page_size = page_size_for(block_size)
         self.sampler = Sampler()  # LLMEngine gives it the CPU greedy kernel where it fits
         self.buffer = StepBuffer(device)
-        self.phases: PhaseClock = NoPhases()  # LLMEngine.measure_phases sets it
+        self.phases: PhaseClock = NoPhases()  # measure() replaces it
         # [tensors, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim]: a tensor per
         # layer, or per layer of a KV group (engine/kv/layout.py); zeroed so padding is finite.
         # The last block is scratch: no sequence owns it; padding rows write there.
@@ -81,34 +81,44 @@ class ModelRunner:
         # what the model reads: each layer's [2, slots, Hkv, D]
         self.layer_caches = tuple(self.kv_cache[t] for t in self.layout.layer_tensors)
         self.scratch_slot = num_blocks * block_size
-        self.padded_decode: PaddedDecode | None = None  # enable_padded_decode() sets it
-        self.piecewise: PiecewiseStep | None = None  # enable_piecewise() sets it
+        # the graph paths, handed over by engine/runner/graphs/setup.py (use_graphs)
+        self.padded_decode: PaddedDecode | None = None
+        self.piecewise: PiecewiseStep | None = None
         self.last_step_graph = False  # whether the latest step replayed a CUDA graph
         self.peers: PlanSender | None = None  # the worker ranks, when tensor parallel
         # The latest step's samples and whose they are (seq id -> row): a later step whose
         # input is still pending reads it from there, on the device.
         self._carry: tuple[SampledRows, dict[int, int]] | None = None
 
-    def enable_padded_decode(self, max_rows: int, max_model_len: int, prompt_rows: bool = True,
-                             max_seqs: int | None = None,
-                             pieces_follow: bool = True) -> PaddedDecode:
-        """Run steps of up to `max_rows` tokens padded to row and width buckets over static
-        buffers (what CUDA graphs replay; engine/decode_graphs.py): pure decode steps, and
-        steps with prompt tokens too where `prompt_rows`; logits for up to `max_seqs` rows;
-        `pieces_follow`: piecewise graphs take the steps past the gather bound."""
-        max_pages = -(-max_model_len // self.page_size)
-        self.padded_decode = PaddedDecode(self.model, self.layer_caches, self.layout,
-                                          self.scratch_slot, self.page_size, max_rows,
-                                          max_pages, prompt_rows, max_seqs, pieces_follow)
-        return self.padded_decode
+    def use_padded_decode(self, padded: PaddedDecode | None) -> None:
+        """Run the steps that fit `padded`'s buckets through it (whole-step CUDA graphs where
+        captured; engine/runner/graphs/setup.py builds and checks it); None: eagerly."""
+        self.padded_decode = padded
 
-    def enable_piecewise(self, max_rows: int, max_seqs: int) -> PiecewiseStep:
-        """Run the steps of up to `max_rows` tokens that the padded path leaves out padded to
-        a row bucket and cut at attention (what piecewise CUDA graphs replay;
-        engine/piecewise_graphs.py); logits for up to `max_seqs` rows."""
-        self.piecewise = PiecewiseStep(self.model, list(self.layer_caches), self.layout,
-                                       self.scratch_slot, self.page_size, max_rows, max_seqs)
-        return self.piecewise
+    def use_piecewise(self, piecewise: PiecewiseStep | None) -> None:
+        """Run the steps that the padded path leaves out and `piecewise` fits through it
+        (graphs cut at attention, where captured); None: eagerly."""
+        self.piecewise = piecewise
+
+    def use_attention(self, backend: AttentionBackend) -> None:
+        """Attend through `backend` from the next step on (a start-up check's fallback)."""
+        self.attention = backend
+
+    def use_greedy_kernel(self, greedy: GreedyKernel | None) -> None:
+        """Greedy rows sample through this CPU kernel (engine/models/cpu_fused.py); None: torch."""
+        self.sampler.greedy = greedy
+
+    def use_peers(self, peers: PlanSender | None) -> None:
+        """Send each step's plan to these tensor-parallel ranks first; None: this rank alone."""
+        self.peers = peers
+
+    def measure(self, phases: PhaseClock) -> None:
+        """Mark each step's host phases on `phases` (LLMEngine.measure_phases)."""
+        self.phases = phases
+
+    def clear_kv(self) -> None:
+        """Zero the whole pool: what a start-up check or an abandoned capture wrote there."""
+        self.kv_cache.zero_()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -200,14 +210,14 @@ class ModelRunner:
         return self._stage(plan, [batch.seqs[i] for i in plan.sampled], describe)
 
     def _padded(self, plan: StepPlan) -> bool:
-        """A step whose tokens, as rows (engine/decode_graphs.py), fit a bucket."""
+        """A step whose tokens, as rows (engine/runner/graphs/whole_step.py), fit a bucket."""
         if self.padded_decode is None or (plan.prefills and not self.padded_decode.prompt_rows):
             return False
         widest = max(row[-1] for row in (*plan.decodes, *plan.prefills))  # a context length
         return self.padded_decode.fits(len(plan.ids), -(-widest // self.page_size))
 
     def pack(self, batch: ScheduledBatch) -> StepPlan:
-        """The step's integers, decided on the host (engine/step_plan.py)."""
+        """The step's integers, decided on the host (engine/runner/step_plan.py)."""
         owners = self._carry[1] if self._carry is not None else {}
         long_rope_rows = (0 if self.spec.rope_long_after is None
                           else self.spec.max_position_embeddings)
@@ -245,6 +255,6 @@ class ModelRunner:
 
     def _metadata(self, views: dict[str, torch.Tensor], decodes: list, prefills: list,
                   page_spans: list[tuple[int, int]]) -> AttentionMetadata:
-        """The step as attention sees it, per attention group (engine/step_metadata.py)."""
+        """The step as attention sees it, per attention group (engine/runner/step_metadata.py)."""
         return describe_step(StepViews(views, decodes, prefills, page_spans), self.layout,
                              self.attention, self.page_size, self.spec.sliding_window)

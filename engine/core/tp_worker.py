@@ -1,6 +1,6 @@
-"""A tensor-parallel worker rank: `python -m engine.parallel.worker`, started by WorkerGroup.
+"""A tensor-parallel worker rank: `python -m engine.core.tp_worker`, started by WorkerGroup.
 
-It reads WorkerArgs from stdin, joins the ranks, builds its shard (engine/runner_setup.py), then
+It reads WorkerArgs from stdin, joins the ranks, builds its shard (engine/runner/setup.py), then
 runs each StepPlan it reads, until its stdin closes. It samples nothing: rank 0 does. It reports
 to rank 0 as it joins and once its shard is loaded (WorkerGroup.wait_for)."""
 
@@ -17,9 +17,9 @@ import time
 from engine.heap import freeze_start_up_heap
 from engine.parallel.comm import init_group, leave_group
 from engine.parallel.shard import Shard
-from engine.parallel.workers import WorkerArgs, report_stage
+from engine.runner.tp_workers import WorkerArgs, report_stage
 
-logger = logging.getLogger("engine.parallel.worker")
+logger = logging.getLogger("engine.core.tp_worker")
 
 PARENT_POLL_SECONDS = 1.0
 
@@ -39,8 +39,8 @@ def main() -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 stops us by closing the pipe
         signal.signal(signum, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    from engine.attention.check import refresh_warm_up
-    from engine.runner_setup import build_rank, rank_device
+    from engine.runner.attention_check import refresh_warm_up
+    from engine.runner.setup import build_rank, rank_device
 
     shard = Shard(args.rank, args.size)
     device = rank_device(args.config, shard)

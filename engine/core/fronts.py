@@ -1,4 +1,4 @@
-"""Fronts: the core's side of several serving processes (engine/core_server.py).
+"""Fronts: the core's side of several serving processes (engine/core/server.py).
 
 EngineCore sees one inbox and one outbox, as with a single front: receive() merges the messages
 of every connected front, publish() sends each front the outputs of its own requests (with the
@@ -13,8 +13,8 @@ import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, Pipe
 
-from engine.core import CoreUpdate
-from engine.core_process import CoreFailed, CoreReady, FrontReading, Readiness, send_message
+from engine.core.engine_core import CoreUpdate
+from engine.core.process import CoreFailed, CoreReady, FrontReading, Readiness, send_message
 from engine.inputs import AbortRequest, AddRequest, StopCore
 
 logger = logging.getLogger(__name__)

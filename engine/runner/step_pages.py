@@ -4,7 +4,7 @@ pages in one section. Plain integers on the host; the runner uploads them once."
 
 from __future__ import annotations
 
-from engine.step_buffer import StepBuffer
+from engine.runner.step_buffer import StepBuffer
 
 Decodes = list[tuple[int, list[list[int]], int]]  # (packed row, block tables, context)
 Prefills = list[tuple[int, int, list[list[int]], int]]  # (row, tokens, block tables, context)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 
 from engine.config import EngineConfig
-from engine.core import CoreMessage, CoreUpdate, EngineCore, prepare_to_serve
+from engine.core.engine_core import CoreMessage, CoreUpdate, EngineCore, prepare_to_serve
 from engine.inputs import RequestLimits, StopCore
 from engine.outputs import Gauges
 
@@ -167,7 +167,7 @@ class ProcessCore(_CoreEnd):
 
 
 class RemoteCore(_CoreEnd):
-    """A core process that serves several fronts (engine/core_server.py), seen from one."""
+    """A core process that serves several fronts (engine/core/server.py), seen from one."""
 
     def __init__(self, path: str, authkey: bytes) -> None:
         self._conn = Client(path, "AF_UNIX", authkey=authkey)  # duplex: sends and updates
