@@ -1,10 +1,11 @@
 """Gemma 1/2/3 (text) on the Llama runner: the same fused projections, KV pool and sharding,
 with Gemma's differences. RMSNorm scales by (1 + weight) in float32; embeddings are scaled by
-sqrt(hidden); the MLP gates with tanh-approximated GELU; Gemma 2/3 add norms after attention
-and around the MLP, scale queries by query_pre_attn_scalar and alternate sliding-window and full
-layers (each attends through its window's metadata); Gemma 2 soft-caps attention scores
-(explicit attention) and final logits; Gemma 3 norms q and k per head and rotates sliding and
-full layers with RoPE tables of their own."""
+sqrt(hidden); the MLP gates with tanh-approximated GELU. The rest is read from the model's
+record (registry.py): Gemma 2/3 add norms after attention and around the MLP, scale queries by
+query_pre_attn_scalar, alternate sliding-window and full layers (each attends through its
+window's metadata) and soft-cap attention scores (explicit attention) and final logits where
+the config sets caps (Gemma 2's does); Gemma 3 norms q and k per head and rotates its sliding
+layers with a RoPE base of their own."""
 
 from __future__ import annotations
 
@@ -19,19 +20,21 @@ from engine.attention.explicit import explicit_attention
 from engine.attention.reference import AttentionMetadata
 from engine.models.layers import ROPE_TYPES, rope_tables, rope_type
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.registry import model_record
 from engine.models.spec import ModelSpec
+from engine.models.windows import layer_types
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # -> F.gelu's `approximate`
 
 
 def activation(arch: str, config: dict) -> str:
-    """Gemma 2/3 read `hidden_activation`; Gemma 1 reads `hidden_act`, whose "gelu" in the
-    official configs means the tanh approximation (transformers rewrites it so)."""
-    if arch != "GemmaForCausalLM":
+    """The record's activation key: Gemma 2/3 read `hidden_activation`; Gemma 1 reads
+    `hidden_act`, whose "gelu" in the official configs means the tanh approximation
+    (transformers rewrites it so)."""
+    if model_record(arch).activation_key == "hidden_activation":
         return config.get("hidden_activation") or "gelu_pytorch_tanh"
     act = config.get("hidden_act") or "gelu_pytorch_tanh"
     return "gelu_pytorch_tanh" if act == "gelu" else act
-_SANDWICHED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -47,26 +50,15 @@ class GemmaRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-def layer_types(config: dict) -> list[str]:
-    """Each layer's attention: "full_attention" or "sliding_attention" (Gemma 2 alternates from
-    a sliding first layer; Gemma 3 has one full layer in every `sliding_window_pattern`)."""
-    count = config["num_hidden_layers"]
-    if config.get("layer_types"):
-        return list(config["layer_types"])
-    if config.get("sliding_window") is None or config["architectures"][0] == "GemmaForCausalLM":
-        return ["full_attention"] * count
-    default = 6 if config["architectures"][0] == "Gemma3ForCausalLM" else 2
-    pattern = config.get("sliding_window_pattern") or default
-    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(count)]
-
-
 def rope_config(config: dict, layer_type: str) -> dict:
-    """The config RoPE tables are computed from for one layer type (Gemma 3 rotates sliding
-    layers with a local base; transformers 5 nests both under `rope_parameters`)."""
+    """The config RoPE tables are computed from for one layer type (a record with
+    local_rope_base, Gemma 3, rotates sliding layers with a local base; transformers 5 nests
+    both under `rope_parameters`)."""
     rope = config.get("rope_parameters") or {}
     if layer_type in rope:
         return {**config, "rope_parameters": rope[layer_type]}
-    if layer_type == "sliding_attention" and config["architectures"][0] == "Gemma3ForCausalLM":
+    if layer_type == "sliding_attention" and model_record(
+            config["architectures"][0]).local_rope_base:
         return {**config, "rope_parameters": {
             "rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10000.0)}}
     return config
@@ -75,23 +67,21 @@ def rope_config(config: dict, layer_type: str) -> dict:
 class GemmaDecoderLayer(DecoderLayer):
     def __init__(self, spec: ModelSpec, config: dict, inter: int, comm, kind: str,
                  index: int) -> None:
-        super().__init__(spec, config, inter, comm, index=index)
-        eps, arch = config.get("rms_norm_eps", 1e-6), spec.architecture
-        self.input_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
-        self.sandwiched = arch in _SANDWICHED
+        super().__init__(spec, config, inter, comm, index=index)  # its norms: _norm's
+        eps, record = config.get("rms_norm_eps", 1e-6), model_record(spec.architecture)
+        self.sandwiched = record.sandwich_norms
         if self.sandwiched:
             self.pre_feedforward_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
             self.post_feedforward_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
-        if arch == "Gemma3ForCausalLM":
-            self.q_norm, self.k_norm = GemmaRMSNorm(spec.head_dim, eps), GemmaRMSNorm(
-                spec.head_dim, eps)
-        scalar = config.get("query_pre_attn_scalar") if self.sandwiched else None
+        scalar = config.get("query_pre_attn_scalar") if record.query_pre_attn_scalar else None
         self.scale = (scalar or spec.head_dim) ** -0.5
-        self.softcap = config.get("attn_logit_softcapping")
+        self.softcap = config.get("attn_logit_softcapping") if record.soft_capping else None
         self.kind = kind
         self.window = config["sliding_window"] if kind == "sliding_attention" else None
-        self.approximate = ACTIVATIONS[activation(arch, config)]
+        self.approximate = ACTIVATIONS[activation(spec.architecture, config)]
+
+    def _norm(self, size: int, eps: float) -> nn.Module:
+        return GemmaRMSNorm(size, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
@@ -127,7 +117,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
             GemmaDecoderLayer(self.spec, config, self.inter // self.shard.size, comm, kind, i)
             for i, kind in enumerate(kinds))
         self.norm = GemmaRMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
-        self.final_softcap = config.get("final_logit_softcapping")
+        self.final_softcap = (config.get("final_logit_softcapping")
+                              if self.record.soft_capping else None)
         # the padded decode path describes each window; explicit attention it does not run
         self.graph_safe = self.final_softcap is None and not any(
             layer.softcap is not None for layer in self.layers)

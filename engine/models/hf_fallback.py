@@ -25,6 +25,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from engine.attention.explicit import explicit_attention
 from engine.attention.reference import AttentionMetadata, store_kv
 from engine.models.linear import pack_linears
+from engine.models.registry import native_names
 from engine.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -102,8 +103,9 @@ class TransformersModel(nn.Module):
         """transformers' nn.Linear layers through a packed CPU backend (engine.models.linear);
         its other layer types (e.g. GPT-2's Conv1D) stay as they are."""
         if backend == "int8":
-            raise ValueError("invalid quantize='int8': needs a native model (Llama, Mistral, "
-                             "Qwen2, Qwen3), not the transformers fallback")
+            raise ValueError("invalid quantize='int8': needs a native model without sparse "
+                             f"experts ({native_names(dense_only=True)}), not the transformers "
+                             "fallback")
         return pack_linears(self.hf, backend, batch_hint)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,9 @@ INT8_TOLERANCE = 3e-2
 class Int8Linear(nn.Module):
     """y = (x Q^T) * s + b; Q [out, in] int8, s [out] in the input dtype."""
 
+    qweight: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    scales: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         w = weight.detach()

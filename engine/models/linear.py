@@ -20,6 +20,7 @@ from torch import nn
 from engine.config import LINEAR_BACKENDS, EngineConfig
 from engine.kernels import load_kernels
 from engine.models.int8_linear import INT8_TOLERANCE, Int8Linear
+from engine.models.registry import native_names
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +170,8 @@ def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.dev
     quantize=int8 every layer becomes an Int8Linear instead, on any device."""
     if config.quantize == "int8":
         if not hasattr(model, "pack_linears"):
-            raise ValueError("invalid quantize='int8': needs a native model (Llama, Mistral, "
-                             "Qwen2, Qwen3)")
+            raise ValueError("invalid quantize='int8': needs a native model without sparse "
+                             f"experts ({native_names(dense_only=True)})")
         count = model.pack_linears("int8", min(config.max_num_seqs, 64))
         fused = sum(1 for m in model.modules() if isinstance(m, Int8Linear) and m.kernel)
         logger.info("weights quantized to int8 (weight-only, per output channel): %d layers, "

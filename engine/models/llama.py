@@ -1,14 +1,16 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen2/3-MoE): RMSNorm,
-RoPE, GQA, SwiGLU; packed tokens. Qwen3 adds an RMSNorm over each q and k head before RoPE;
-Phi-3 stores q/k/v and gate/up fused in its checkpoint, may rotate part of each head and scale
-RoPE with LongRoPE; the MoE models replace the MLP with sparse experts (moe.py); layers may
-attend within windows of their own (Qwen's max_window_layers)."""
+"""Llama-family decoder (the records of family "llama" in registry.py: Llama, Mistral, Qwen2,
+Qwen3, Phi-3, Mixtral, Qwen2/3-MoE): RMSNorm, RoPE, GQA, SwiGLU; packed tokens. What an
+architecture does differently is read from its record, never from its name: q/k/v biases
+(Qwen2), an RMSNorm over each q and k head before RoPE (Qwen3), fused checkpoint tensors
+(Phi-3, placement.py), sparse experts in place of the MLP (moe.py), and which layers attend
+within windows (windows.py). Config-borne settings stay in the config: a partly rotated head
+and LongRoPE (Phi-3), rope scaling, biases a config names."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +30,13 @@ from engine.models.layers import (
 from engine.models.linear import linear_factory, pack_linears, packed_checked
 from engine.models.moe import SparseMoE, dense_layers, moe_settings
 from engine.models.placement import Placement, llama_placements
+from engine.models.registry import ModelRecord, model_record
 from engine.models.spec import ModelSpec
+from engine.models.windows import layer_windows
 from engine.parallel.shard import Shard
 
 if TYPE_CHECKING:
     from engine.parallel.comm import Collectives
-
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-QWEN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
-                             "Qwen3MoeForCausalLM")  # windows only with use_sliding_window
 
 
 class DecoderLayer(nn.Module):
@@ -51,13 +50,13 @@ class DecoderLayer(nn.Module):
         self.spec = spec
         self.index = index  # the layer's number: which attention group's metadata it reads
         self.comm = comm
+        record = model_record(spec.architecture)
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        bias = config.get("attention_bias", config.get(
-            "qkv_bias", spec.architecture in QKV_BIAS_ARCHITECTURES))
+        bias = config.get("attention_bias", config.get("qkv_bias", record.qkv_bias))
         self.qkv_proj = nn.Linear(spec.hidden_size, q + 2 * kv, bias=bias)
         self.o_proj = nn.Linear(q, spec.hidden_size, bias=config.get("attention_bias", False))
         mlp_bias = config.get("mlp_bias", False)
-        moe = moe_settings(config)
+        moe = moe_settings(config, record.moe)
         self.moe = None if moe is None else SparseMoE(
             spec.hidden_size, inter, moe, shared_inter)
         if self.moe is None:
@@ -66,15 +65,21 @@ class DecoderLayer(nn.Module):
         self.rotated_heads = spec.num_heads + spec.num_kv_heads  # q's and k's
         self.rotary_dim = rotary_dim(config, spec.head_dim)  # leading dims of a head rotated
         eps = config.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(spec.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.input_layernorm = self._norm(spec.hidden_size, eps)
+        self.post_attention_layernorm = self._norm(spec.hidden_size, eps)
         self.scale = spec.head_dim ** -0.5
         self.window = window  # None: full attention
         self.fused: FusedCpuOps | None = None  # set by use_fused_cpu_ops
-        # Qwen3: one RMSNorm over the head dimension for q heads, one for k heads
-        self.q_norm = self.k_norm = None
-        if spec.architecture in QK_NORM_ARCHITECTURES:
-            self.q_norm, self.k_norm = RMSNorm(spec.head_dim, eps), RMSNorm(spec.head_dim, eps)
+        # Qwen3, Gemma 3: one RMSNorm over the head dimension for q heads, one for k heads
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if record.qk_norm:
+            self.q_norm, self.k_norm = self._norm(spec.head_dim, eps), self._norm(
+                spec.head_dim, eps)
+
+    def _norm(self, size: int, eps: float) -> nn.Module:
+        """The family's RMSNorm (Gemma's scales by 1 + weight)."""
+        return RMSNorm(size, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
@@ -121,7 +126,7 @@ class DecoderLayer(nn.Module):
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3's per-head q and k norms, in place in qkv [N, (H + 2 Hkv) * D] (so the fused
         RoPE + KV write reads them); other models: qkv as it is."""
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:
             return qkv
         s = self.spec
         q = qkv[:, :s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)
@@ -139,7 +144,10 @@ class DecoderLayer(nn.Module):
                        meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):
         """The same layer with RMSNorm (+ residual add) and RoPE (+ KV write) as one C call
         each (engine/models/cpu_fused.py); CPU, float32."""
-        ops, norm1, norm2 = self.fused, self.input_layernorm, self.post_attention_layernorm
+        # the fused ops are only set on layers of Llama's RMSNorm (Gemma's keep PyTorch ops)
+        ops = self.fused
+        norm1 = cast(RMSNorm, self.input_layernorm)
+        norm2 = cast(RMSNorm, self.post_attention_layernorm)
         qkv = self._norm_heads(self.qkv_proj(ops.rms_norm(x, norm1.weight, norm1.eps)))
         mine = meta.for_layer(self.index, self.window)
         q = ops.rope_store(qkv, cos, sin, k_cache, v_cache, mine.slot_mapping,
@@ -164,7 +172,9 @@ class LlamaForCausalLM(nn.Module):
         shard = self.shard
         self.config = config
         self.full_spec = spec
-        moe = moe_settings(config)
+        # what this architecture does differently (registry.py)
+        self.record: ModelRecord = model_record(spec.architecture)
+        moe = moe_settings(config, self.record.moe)
         # the experts' intermediate size for a MoE model: its MLPs are the experts
         self.inter = inter = moe.inter if moe else config["intermediate_size"]
         # expert routing reads the router's choice on the host: decode runs eagerly, unless
@@ -211,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         act = config.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             return f"its activation {act!r} (native: silu)"
-        if dense_layers(config):
+        if dense_layers(config, model_record(arch).moe):
             return "dense MLP layers among its expert layers (mlp_only_layers, " \
                 "decoder_sparse_step)"
         kind = rope_type(config)
@@ -315,25 +325,3 @@ class LlamaForCausalLM(nn.Module):
             if name in rows:
                 rows[name] = len(self.vocab)
         return rows
-
-
-def layer_windows(arch: str, config: dict) -> list[int | None]:
-    """Each layer's attention window (None: every earlier position), as transformers derives it
-    when config.json has no `layer_types`: Mistral-like models slide on every layer when they
-    have a window; Qwen only with use_sliding_window, on layers >= max_window_layers (Qwen2-MoE:
-    odd-numbered layers below it)."""
-    count, window = config["num_hidden_layers"], config.get("sliding_window")
-    qwen = arch in QWEN_WINDOW_ARCHITECTURES
-    if not window or not config.get("use_sliding_window", not qwen):
-        return [None] * count
-    kinds = config.get("layer_types")
-    if kinds is None and qwen:
-        limit = config.get("max_window_layers", 28)
-        moe = arch == "Qwen2MoeForCausalLM"
-        kinds = ["sliding_attention" if ((i + 1) % 2 and i < limit if moe else i >= limit)
-                 else "full_attention" for i in range(count)]
-    kinds = kinds or ["sliding_attention"] * count
-    unknown = set(kinds) - {"full_attention", "sliding_attention"}
-    if unknown:
-        raise ValueError(f"its layer types {sorted(unknown)}")
-    return [window if kind == "sliding_attention" else None for kind in kinds]

@@ -12,7 +12,7 @@ import torch
 from engine.model_files import open_checkpoint, read_json_object
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
+from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES, Family, native_names
 from engine.parallel.shard import Shard
 
 if TYPE_CHECKING:
@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# NATIVE_ARCHITECTURES value -> implementation
-_FAMILIES = {"llama": LlamaForCausalLM, "gemma": GemmaForCausalLM}
+# a record's family -> the implementation that reads its features
+_FAMILIES: dict[Family, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM, "gemma": GemmaForCausalLM}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -71,10 +72,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     arch = (config.get("architectures") or ["?"])[0]
     if arch not in NATIVE_ARCHITECTURES and model_impl == "native":
         raise ValueError(f"architecture {arch} is not supported natively (model_impl=native); "
-                         f"native: {', '.join(sorted(NATIVE_ARCHITECTURES))}")
+                         f"native: {native_names()}")
     if arch not in NATIVE_ARCHITECTURES or model_impl == "transformers":
         return _load_fallback(model_dir, config, arch, dtype, device, shard, trust_remote_code)
-    model_cls = _FAMILIES[NATIVE_ARCHITECTURES[arch]]
+    model_cls = _FAMILIES[NATIVE_ARCHITECTURES[arch].family]
     lacking = model_cls.unsupported(arch, config)
     if lacking is not None:
         if model_impl == "native":
@@ -102,8 +103,7 @@ def _load_fallback(model_dir: str | Path, config: dict, arch: str, dtype: torch.
 
     if shard is not None and not shard.is_whole:
         raise ValueError(f"architecture {arch} runs through the transformers fallback, which has "
-                         "no tensor parallelism; natively sharded: "
-                         f"{', '.join(sorted(NATIVE_ARCHITECTURES))}")
+                         f"no tensor parallelism; natively sharded: {native_names()}")
     checkpoint_files(model_dir)  # safetensors only, with the same message
     model = load_fallback(model_dir, config, dtype, device, trust_remote_code)
     return model, model.spec

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.registry import MoeKind
+
 # checkpoint names: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, Qwen3-MoE's
 # mlp.experts.E.gate_proj/up_proj/down_proj; and their routers
 _EXPERT = re.compile(r"\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|"
@@ -43,13 +45,13 @@ class MoESettings:
     shared_inter: int = 0  # the shared expert's intermediate size (Qwen2-MoE; 0: none)
 
 
-def moe_settings(config: dict) -> MoESettings | None:
-    """The experts of a sparse config (None for a dense model). transformers 5 writes Qwen3-MoE's
-    `num_experts` as `num_local_experts`: its own expert size tells it from Mixtral."""
+def moe_settings(config: dict, kind: MoeKind | None) -> MoESettings | None:
+    """The experts of a sparse config (None for a dense model); `kind`: the model record's
+    (registry.py). transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`."""
     experts = config.get("num_experts") or config.get("num_local_experts")
-    if not experts:
+    if kind is None or not experts:
         return None
-    if config.get("moe_intermediate_size"):  # Qwen2-MoE, Qwen3-MoE
+    if kind == "qwen":  # Qwen2-MoE, Qwen3-MoE
         return MoESettings(experts, config["num_experts_per_tok"],
                            config["moe_intermediate_size"], bool(config.get("norm_topk_prob")),
                            True, config.get("shared_expert_intermediate_size") or 0)
@@ -58,10 +60,10 @@ def moe_settings(config: dict) -> MoESettings | None:
                        False)
 
 
-def dense_layers(config: dict) -> list[int]:
+def dense_layers(config: dict, kind: MoeKind | None) -> list[int]:
     """Layers of a MoE config that keep a dense MLP (Qwen2/3-MoE's mlp_only_layers and
     decoder_sparse_step); the native modules serve only configs where this is empty."""
-    if moe_settings(config) is None:
+    if moe_settings(config, kind) is None:
         return []
     step = config.get("decoder_sparse_step") or 1
     only = set(config.get("mlp_only_layers") or [])

@@ -28,8 +28,9 @@ class Placement:
 def llama_placements(model: LlamaForCausalLM, name: str) -> list[Placement]:
     """Where the checkpoint tensor `name` lands on this rank: q/k/v and gate/up are fused
     into one matmul each and split by rows, o/down split by columns, the vocabulary by
-    rows. A checkpoint that stores them fused (Phi-3) lands in parts, each sliced for this
-    rank. []: a tensor this model does not keep (a tied lm_head)."""
+    rows. A checkpoint that stores them fused (a record with fused_checkpoint: Phi-3) lands
+    in parts, each sliced for this rank. []: a tensor this model does not keep (a tied
+    lm_head)."""
     name = name.removeprefix("model.")
     if model.tie_word_embeddings and name == "lm_head.weight":
         return []
@@ -48,13 +49,14 @@ def llama_placements(model: LlamaForCausalLM, name: str) -> list[Placement]:
     parts = {"self_attn.q_proj": ("qkv_proj", [(0, q_rows)]),
              "self_attn.k_proj": ("qkv_proj", [(q, kv_rows)]),
              "self_attn.v_proj": ("qkv_proj", [(q + kv, kv_rows)]),
-             "self_attn.qkv_proj": ("qkv_proj", [
-                 (0, q_rows), (q, _after(full_q, kv_rows)),
-                 (q + kv, _after(full_q + full_kv, kv_rows))]),
              "mlp.gate_proj": ("gate_up_proj", [(0, inter_rows)]),
-             "mlp.up_proj": ("gate_up_proj", [(len(inter_span), inter_rows)]),
-             "mlp.gate_up_proj": ("gate_up_proj", [
-                 (0, inter_rows), (len(inter_span), _after(inter, inter_rows))])}
+             "mlp.up_proj": ("gate_up_proj", [(len(inter_span), inter_rows)])}
+    if model.record.fused_checkpoint:
+        parts["self_attn.qkv_proj"] = ("qkv_proj", [
+            (0, q_rows), (q, _after(full_q, kv_rows)),
+            (q + kv, _after(full_q + full_kv, kv_rows))])
+        parts["mlp.gate_up_proj"] = ("gate_up_proj", [
+            (0, inter_rows), (len(inter_span), _after(inter, inter_rows))])
     expert = parse_expert_name(name)
     if expert is not None:
         return _expert_placements(model, name, *expert, inter_rows, len(inter_span))
