@@ -194,7 +194,7 @@ def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None]
             batch = engine.last_batch
             # all of the prompt, or under paged batching the chunk of it that fills the step's
             # token budget
-            budget = getattr(engine.scheduler, "token_budget", None)
+            budget = getattr(engine.scheduler, "max_num_batched_tokens", None)
             assert batch is not None and (
                 batch.num_prefill_tokens == len(prompt_ids)
                 or batch.num_prefill_tokens + batch.num_decode_tokens == budget), \

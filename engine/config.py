@@ -36,6 +36,7 @@ class EngineConfig:
     # Most sequences that hold KV at once: 1 for none, batch_size for dynamic,
     # max_rolling_batch_size for continuous/paged.
     max_num_seqs: int = 1
+    # dynamic batching: how long the oldest waiting request waits for a full batch
     max_batch_delay_ms: float = 100.0
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None

@@ -64,7 +64,7 @@ def padded_engine(path, batching: str, rows: int | None = None, **overrides):
     rows = rows or graph_rows(config.max_num_seqs,  # as the engine sizes it on CUDA
                               config.max_num_batched_tokens or config.max_num_seqs * MAX_MODEL_LEN)
     padded = padded_in_use(engine.runner, rows, MAX_MODEL_LEN,
-                                                max_seqs=config.max_num_seqs)
+                                                max_num_seqs=config.max_num_seqs)
     return engine, recorded(padded)
 
 
@@ -292,7 +292,7 @@ def test_the_start_up_check_compares_padded_with_eager_and_leaves_the_pool_empty
     assert not runner.kv_cache.any()
     windowed = any(w is not None for w in runner.layout.group_windows)  # one row past it
     assert [rows for rows, _ in calls] == [3 + windowed + 3]  # 3 decodes (+1), a 3-token chunk
-    calls = recorded(padded_in_use(runner, 4, MAX_MODEL_LEN, max_seqs=2))
+    calls = recorded(padded_in_use(runner, 4, MAX_MODEL_LEN, max_num_seqs=2))
     check_padded_decode(runner)
     assert [rows for rows, _ in calls] == [4]  # a decode row and the chunk: the chunk goes first
     padded = padded_in_use(runner, 8, MAX_MODEL_LEN)

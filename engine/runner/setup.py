@@ -77,8 +77,9 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
                     layout.num_tensors, "/".join(str(w) for w in layout.group_windows))
     runner = ModelRunner(model, spec, device, dtype, kv.num_blocks, kv.block_size,
                          select_attention_backend(config.attention_backend, device), layout)
-    step_tokens = config.max_num_batched_tokens or config.max_num_seqs * max_model_len
-    prepare_attention(runner, config.attention_backend, config.max_num_seqs, step_tokens,
+    # the most tokens one step holds: the configured budget, else every sequence at full length
+    max_step_tokens = config.max_num_batched_tokens or config.max_num_seqs * max_model_len
+    prepare_attention(runner, config.attention_backend, config.max_num_seqs, max_step_tokens,
                       max_model_len)
     if hasattr(model, "use_fused_cpu_ops"):
         ops = fused_ops_for(model, dtype, runner.attention.name)
@@ -89,7 +90,8 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     eager = (config.enforce_eager or config.cudagraph_mode == "none"
              or not getattr(model, "graph_safe", True))
     prompt_rows = getattr(model, "pads_prompt_rows", True)
-    rows = graph_rows(config.max_num_seqs, step_tokens) if prompt_rows else config.max_num_seqs
+    rows = (graph_rows(config.max_num_seqs, max_step_tokens) if prompt_rows
+            else config.max_num_seqs)
     graphs = prepare_decode_graphs(runner, eager, rows, max_model_len,
                                    config.padded_decode_on_cpu, prompt_rows, config.max_num_seqs,
                                    shrink_on_oom=comm is None,

@@ -14,7 +14,7 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TOKEN_BUDGET = 512  # tokens per step when max_rolling_batch_prefill_tokens is unset
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # when option.max_rolling_batch_prefill_tokens is unset
 
 
 class PagedBatching(Scheduler):
@@ -31,12 +31,14 @@ class PagedBatching(Scheduler):
     def __init__(self, config: EngineConfig, allocator: BlockManager,
                  now: Callable[[], float] = time.monotonic) -> None:
         super().__init__(config, allocator, now)
-        self.token_budget = config.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET
+        # the step's token budget: the config's, else the paged default
+        self.max_num_batched_tokens = (config.max_num_batched_tokens
+                                       or DEFAULT_MAX_NUM_BATCHED_TOKENS)
         self.chunked = config.enable_chunked_prefill
 
     def _pick(self) -> ScheduledBatch | None:
         picked: dict[Sequence, int] = {}
-        budget = self.token_budget
+        budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         decodes, prefills = [], []
         for seq in self.running:

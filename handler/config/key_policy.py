@@ -8,7 +8,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from handler.config.properties import ConfigError, Setting
+from handler.config.setting import ConfigError, Setting
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from handler.config.properties import ConfigError
+from handler.config.setting import ConfigError
 
 # LMI's own handlers for text generation: they mean "the built-in engine" here.
 BUILTIN_ENTRY_POINTS = frozenset({
@@ -29,6 +29,10 @@ class LmiOptions:
     output_formatter: str = "json"
     tgi_compat: bool = False  # TGI-shaped responses (same as output_formatter=tgi)
     max_workers: int = 1  # custom-handler calls that may run at once
+    # Inputs the custom handler gets in one call (batch_size), and how long the first waits for
+    # the rest (max_batch_delay): the handler's own batching, which the engine never sees.
+    batch_size: int = 1
+    max_batch_delay_ms: float = 100.0
 
     @property
     def builtin_engine_requested(self) -> bool:

@@ -9,50 +9,23 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
+
+from handler.config.key_policy import POLICY_KEYS
+from handler.config.keys import ENV_ALIASES, KEYS
+from handler.config.setting import ConfigError, Setting
 
 logger = logging.getLogger(__name__)
 
-
-class ConfigError(ValueError):
-    """A bad setting; the message is one line naming key, value, source and what is allowed."""
-
-
-@dataclass(frozen=True)
-class Setting:
-    value: str
-    source: str  # "serving.properties line 4", "env OPTION_DTYPE", "default"
-
-
-# Keys with no `option.` prefix in LMI (model-server keys).
-SERVER_KEYS = {"batch_size", "max_batch_delay", "job_queue_size", "maxWorkers"}
-# Rolling-batch keys also accepted without `option.`.
-ROLLING_KEYS = {"rolling_batch", "max_rolling_batch_size", "max_rolling_batch_prefill_tokens"}
-ENGINE_KEYS = {
-    "model_id", "dtype", "max_model_len", "predict_timeout", "tensor_parallel_degree",
-    "trust_remote_code", "paged_attention", "block_size", "enable_chunked_prefill",
-    "enable_prefix_caching", "gpu_memory_utilization", "num_kv_blocks", "kv_cache_memory",
-    "device", "max_request_size", "seed", "attention_backend", "linear_backend",
-    "enforce_eager", "engine_process", "entryPoint", "handler", "input_formatter",
-    "output_formatter", "tgi_compat", "quantize", "drain_timeout", "model_impl",
-    "async_scheduling", "api_server_count", "api_server_nice", "cudagraph_mode",
-} | ROLLING_KEYS
+# The spellings canonical_key accepts, all from the key table (handler/config/keys.py):
+# DJL's model-server keys have no `option.` prefix; the rolling-batch keys may drop it.
+SERVER_KEYS = frozenset(k.name for k in KEYS if not k.name.startswith("option."))
+ROLLING_KEYS = frozenset(k.name.removeprefix("option.") for k in KEYS if k.bare)
+ENGINE_KEYS = frozenset(k.name.removeprefix("option.") for k in KEYS
+                        if k.name.startswith("option."))
 # LMI's camelCase keys; env names arrive lower-cased (OPTION_ENTRYPOINT → option.entrypoint).
-CAMEL_CASE = {k.lower(): k for k in ("entryPoint", "maxWorkers", "minWorkers")}
-# TGI / SageMaker variable → LMI variable it stands for (used only when that one is unset).
-ENV_ALIASES = {
-    "HF_MODEL_ID": "OPTION_MODEL_ID",
-    "SM_NUM_GPUS": "OPTION_TENSOR_PARALLEL_DEGREE",
-    "MAX_BATCH_SIZE": "OPTION_MAX_ROLLING_BATCH_SIZE",
-    "MAX_CONCURRENT_REQUESTS": "SERVING_JOB_QUEUE_SIZE",
-    "MAX_BATCH_PREFILL_TOKENS": "OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS",
-    "HF_MODEL_TRUST_REMOTE_CODE": "OPTION_TRUST_REMOTE_CODE",
-    "CUDA_MEMORY_FRACTION": "OPTION_GPU_MEMORY_UTILIZATION",
-    "SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS": "OPTION_PREDICT_TIMEOUT",
-    "HF_MODEL_QUANTIZE": "OPTION_QUANTIZE",
-    "DJL_ENTRY_POINT": "OPTION_ENTRYPOINT",
-}
+CAMEL_CASE = {bare.lower(): bare for bare in (k.removeprefix("option.") for k in (
+    *(key.name for key in KEYS), *POLICY_KEYS)) if bare != bare.lower()}
 
 
 def canonical_key(key: str) -> str:

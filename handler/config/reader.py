@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
+from typing import NoReturn, overload
 
-from handler.config.properties import ConfigError, Setting
+from handler.config.setting import ConfigError, Setting
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024,
               "mib": 1024**2, "gib": 1024**3}
@@ -15,16 +17,26 @@ SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 10
 class Reader:
     """Typed access to settings; every failure names key, value, source and what is allowed."""
 
-    def __init__(self, settings: Mapping[str, Setting]) -> None:
+    def __init__(self, settings: Mapping[str, Setting], model_dir: Path) -> None:
         self.settings = settings
+        self.model_dir = model_dir  # keys that name files must name them inside it
 
     def raw(self, key: str) -> str | None:
         s = self.settings.get(key)
         return s.value.strip() if s is not None else None
 
-    def fail(self, key: str, allowed: str):
+    def fail(self, key: str, allowed: str) -> NoReturn:
+        self.refuse(key, f"expected {allowed}")
+
+    def refuse(self, key: str, why: str) -> NoReturn:
+        """The set value of `key` is wrong for the reason `why` (which says what to do)."""
         s = self.settings[key]
-        raise ConfigError(f"invalid {key}={s.value!r} (from {s.source}): expected {allowed}")
+        raise ConfigError(f"invalid {key}={s.value!r} (from {s.source}): {why}")
+
+    @overload
+    def integer(self, key: str, default: int, minimum: int = 1) -> int: ...
+    @overload
+    def integer(self, key: str, default: None, minimum: int = 1) -> int | None: ...
 
     def integer(self, key: str, default: int | None, minimum: int = 1) -> int | None:
         value = self.raw(key)

@@ -39,10 +39,12 @@ def load_custom_code(config: ServingConfig, allow_handler: bool = True) -> Custo
     else:
         function = handler_function(module, lmi.handler) if module is not None else None
     if function is not None and not allow_handler:
+        assert module is not None  # where the handler was found
         raise EntryPointError(f"{module.__name__}.{lmi.handler} is a custom handler: serve it "
                               "with option.api_server_count=1 (each HTTP process would run "
                               "its own copy)")
     if function is not None:
+        assert module is not None and djl is not None  # found in a module, through djl_python
         runner = _runner(config, function, djl.Input)
         runner.initialize(init_properties(config))
         logger.info("serving through %s.%s; batchyard's engine is not loaded",
@@ -81,11 +83,10 @@ def _may_import(lmi: LmiOptions, model_dir: Path) -> bool:
 
 
 def _runner(config: ServingConfig, function, make_input) -> HandlerRunner:
-    e = config.engine
-    batch_size = e.max_num_seqs if e.batching == "dynamic" else 1
-    return HandlerRunner(function, make_input, batch_size=batch_size,
-                         max_batch_delay_s=e.max_batch_delay_ms / 1000,
-                         workers=config.lmi.max_workers, queue_size=config.job_queue_size)
+    lmi = config.lmi
+    return HandlerRunner(function, make_input, batch_size=lmi.batch_size,
+                         max_batch_delay_s=lmi.max_batch_delay_ms / 1000,
+                         workers=lmi.max_workers, queue_size=config.job_queue_size)
 
 
 def _formatters(lmi: LmiOptions, module) -> Formatters:

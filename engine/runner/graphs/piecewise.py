@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.reference import AttentionBackend, AttentionMetadata
 from engine.kv.layout import KVLayout
 from engine.runner.graphs.whole_step import batch_buckets, bucket_for
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +72,13 @@ class PiecewiseStep:
     attention calls the graphs are cut at."""
 
     def __init__(self, model, layer_caches: list[torch.Tensor], layout: KVLayout,
-                 scratch_slot: int, page_size: int, max_rows: int, max_sampled: int) -> None:
+                 scratch_slot: int, page_size: int, max_rows: int, max_num_seqs: int) -> None:
         self.model = model
         self.layer_caches = layer_caches
         self.layout = layout
         self.page_size = page_size
         self.buckets = batch_buckets(max_rows)
-        self.max_sampled = min(max_sampled, max_rows)
+        self.max_sampled = min(max_num_seqs, max_rows)  # rows whose logits a step computes
         device = layer_caches[0].device
         # [2 + tables, max_rows]: token id, position, the slot in each block table. Padding
         # rows: token 0 at position 0, written to the scratch slot.
@@ -221,9 +225,9 @@ class _Capture:
     """Ends a graph at each attention call and begins the next in the same memory pool."""
 
     def __init__(self, buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         self.buffers = buffers  # PiecewiseStep._buffers, allocated by the warm-up
-        self._graph = None
+        self._graph: torch.cuda.CUDAGraph | None = None
         self._graphs: list = []
         self._calls: list[_Attention] = []
 
@@ -236,6 +240,7 @@ class _Capture:
         self._graph.capture_begin(pool=self.pool)
 
     def _stop(self) -> None:
+        assert self._graph is not None  # _start() began it
         self._graph.capture_end()
         self.pool = self._graph.pool()
         self._graphs.append(self._graph)

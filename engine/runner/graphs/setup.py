@@ -23,33 +23,33 @@ logger = logging.getLogger(__name__)
 
 
 def build_padded_decode(runner: ModelRunner, max_rows: int, max_model_len: int,
-                        prompt_rows: bool = True, max_seqs: int | None = None,
+                        prompt_rows: bool = True, max_num_seqs: int | None = None,
                         pieces_follow: bool = True) -> PaddedDecode:
     """Steps of up to `max_rows` tokens padded to row and width buckets over static buffers
     (what whole-step CUDA graphs replay) over `runner`'s model and pool: pure decode steps, and
-    steps with prompt tokens too where `prompt_rows`; logits for up to `max_seqs` rows;
+    steps with prompt tokens too where `prompt_rows`; logits for up to `max_num_seqs` rows;
     `pieces_follow`: piecewise graphs take the steps past the gather bound. Not yet in use:
     runner.use_padded_decode hands it over."""
     max_pages = -(-max_model_len // runner.page_size)
     return PaddedDecode(runner.model, runner.layer_caches, runner.layout, runner.scratch_slot,
-                        runner.page_size, max_rows, max_pages, prompt_rows, max_seqs,
+                        runner.page_size, max_rows, max_pages, prompt_rows, max_num_seqs,
                         pieces_follow)
 
 
-def build_piecewise(runner: ModelRunner, max_rows: int, max_seqs: int) -> PiecewiseStep:
+def build_piecewise(runner: ModelRunner, max_rows: int, max_num_seqs: int) -> PiecewiseStep:
     """The steps of up to `max_rows` tokens that the padded path leaves out, padded to a row
     bucket and cut at attention (what piecewise CUDA graphs replay); logits for up to
-    `max_seqs` rows. Not yet in use: runner.use_piecewise hands it over."""
+    `max_num_seqs` rows. Not yet in use: runner.use_piecewise hands it over."""
     return PiecewiseStep(runner.model, list(runner.layer_caches), runner.layout,
-                         runner.scratch_slot, runner.page_size, max_rows, max_seqs)
+                         runner.scratch_slot, runner.page_size, max_rows, max_num_seqs)
 
 
 def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: int,
                           max_model_len: int, padded_on_cpu: bool = False,
-                          prompt_rows: bool = True, max_seqs: int | None = None,
+                          prompt_rows: bool = True, max_num_seqs: int | None = None,
                           shrink_on_oom: bool = True, piecewise: bool = True) -> bool:
     """CUDA graphs for steps of up to `max_rows` tokens (decodes, and prompt chunks as rows
-    where `prompt_rows`; logits for up to `max_seqs` of them) unless `enforce_eager`; returns
+    where `prompt_rows`; logits for up to `max_num_seqs` of them) unless `enforce_eager`; returns
     whether they are on. Where `piecewise` and `prompt_rows`, the steps of up to as many rows
     that whole-step graphs leave out run as graphs cut at attention. With `padded_on_cpu`, a
     CPU runs the same padded buckets and pieces without graphs (CI's stand-in).
@@ -59,14 +59,14 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     if runner.device.type != "cuda":
         if not padded_on_cpu or enforce_eager:
             return False
-        padded = build_padded_decode(runner, max_rows, max_model_len, prompt_rows, max_seqs,
+        padded = build_padded_decode(runner, max_rows, max_model_len, prompt_rows, max_num_seqs,
                                      piecewise)
         runner.use_padded_decode(padded)
         error = check_padded_decode(runner)
         logger.info("padded decode on CPU (no graphs): batch buckets %s; max logit difference "
                     "to eager %.3g", padded.batch_buckets, error)
         if piecewise:
-            runner.use_piecewise(build_piecewise(runner, max_rows, max_seqs or max_rows))
+            runner.use_piecewise(build_piecewise(runner, max_rows, max_num_seqs or max_rows))
             check_piecewise(runner)
         return True
     if enforce_eager:
@@ -78,7 +78,7 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     try:
         with _stream_restored():
             captured = capture_within_memory(runner, max_rows, max_model_len, prompt_rows,
-                                             max_seqs, floor, piecewise)
+                                             max_num_seqs, floor, piecewise)
     except Exception as err:  # capture unsupported here, or the graphs disagree with eager
         logger.warning("CUDA graphs are off, every step runs eagerly: %s", err)
         captured = None
@@ -96,19 +96,19 @@ def prepare_decode_graphs(runner: ModelRunner, enforce_eager: bool, max_rows: in
     widest = padded.width_buckets[-1]
     needed = [b for b in padded.batch_buckets if padded.bucket(b, widest) is None]
     if piecewise and needed:
-        prepare_piecewise_graphs(runner, padded.batch_buckets[-1], max_seqs or max_rows,
+        prepare_piecewise_graphs(runner, padded.batch_buckets[-1], max_num_seqs or max_rows,
                                  needed)
     return True
 
 
-def prepare_piecewise_graphs(runner: ModelRunner, max_rows: int, max_seqs: int,
+def prepare_piecewise_graphs(runner: ModelRunner, max_rows: int, max_num_seqs: int,
                              buckets: list[int]) -> bool:
     """Piecewise graphs (engine/runner/graphs/piecewise.py) of the row `buckets` whose steps may
     pass the whole-step graphs' gather bound (steps of up to `max_rows` tokens), checked
     against eager; on failure or disagreement, log why and run those steps eagerly. Returns
     whether they are on."""
     started = time.monotonic()
-    piecewise = build_piecewise(runner, max_rows, max_seqs)
+    piecewise = build_piecewise(runner, max_rows, max_num_seqs)
     try:
         with _stream_restored():
             count = piecewise.capture(runner.spec.vocab_size, buckets)
@@ -134,16 +134,16 @@ def prepare_piecewise_graphs(runner: ModelRunner, max_rows: int, max_seqs: int,
 
 
 def capture_within_memory(runner: ModelRunner, max_rows: int, max_model_len: int,
-                          prompt_rows: bool, max_seqs: int | None, floor: int | None = None,
+                          prompt_rows: bool, max_num_seqs: int | None, floor: int | None = None,
                           pieces_follow: bool = True) -> tuple[PaddedDecode, int, float]:
     """Capture and check the graphs of steps up to `max_rows` tokens; where the device runs out
     of memory, try half as many rows, down to `floor` (default: the decode batch), and say so.
     Fewer rows mean smaller gathers only while rows x max_model_len tokens of K and V stay
     under MAX_PADDED_GATHER_BYTES. → (padded, graph count, logit error)."""
-    floor = floor or min(max_rows, max_seqs or max_rows)
+    floor = floor or min(max_rows, max_num_seqs or max_rows)
     rows = max_rows
     while True:
-        padded = build_padded_decode(runner, rows, max_model_len, prompt_rows, max_seqs,
+        padded = build_padded_decode(runner, rows, max_model_len, prompt_rows, max_num_seqs,
                                      pieces_follow)
         try:
             count = capture_cuda_graphs(padded, runner.spec.vocab_size)

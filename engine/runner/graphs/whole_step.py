@@ -90,13 +90,13 @@ class PaddedDecode:
 
     def __init__(self, model, layer_caches: Sequence[torch.Tensor], layout: KVLayout,
                  scratch_slot: int, page_size: int, max_batch: int, max_pages: int,
-                 prompt_rows: bool = True, max_sampled: int | None = None,
+                 prompt_rows: bool = True, max_num_seqs: int | None = None,
                  pieces_follow: bool = True) -> None:
         self.model = model
         self.prompt_rows = prompt_rows  # whether steps with prompt tokens run padded too
         # rows whose logits a step computes: one per sequence at most (max_num_seqs), however
         # many prompt rows the step has; padded with row 0
-        self.max_sampled = max_sampled or max_batch
+        self.max_sampled = max_num_seqs or max_batch
         self.layer_caches = layer_caches  # each layer's [2, slots, Hkv, D]
         cache = layer_caches[0]
         self.token_bytes = cache[:, 0].numel() * cache.element_size()  # a token's K and V

@@ -1,0 +1,136 @@
+"""The keys whose values need more than a type and a range: LMI's own spellings (`max`, `-1`),
+values that name files or functions, and the rules that span keys. The key table
+(handler/config/keys.py) names these functions, so each key's validation still has one home;
+every failure is one line naming the key, the value, its source and what is allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from engine import QUANTIZATIONS
+from handler.config.lmi_options import (
+    BUILTIN_ENTRY_POINTS,
+    INPUT_FORMATTERS,
+    MAX_WORKERS,
+    OUTPUT_FORMATTERS,
+    check_entry_point,
+    check_formatter,
+)
+from handler.config.reader import Reader
+from handler.cpu_priority import MAX_NICE
+
+if TYPE_CHECKING:  # the table imports this module, never the other way round
+    from handler.config.keys import Key
+
+MAX_API_SERVERS = 64
+# What each value of option.async_scheduling asks the engine for (None: its own choice).
+ASYNC_SCHEDULING = {"auto": None, "true": True, "false": False}
+
+
+def tensor_parallel(r: Reader, key: Key) -> int:
+    """N ranks, or `max` / -1 (LMI's spellings) for every visible GPU; SM_NUM_GPUS lands here."""
+    if (r.raw(key.name) or "").lower() in ("max", "-1"):
+        return -1
+    return r.integer(key.name, key.default)
+
+
+def quantize(r: Reader, key: Key) -> str | None:
+    """int8 weight-only, quantized at load; LMI's checkpoint formats are refused."""
+    value = (r.raw(key.name) or "none").lower()
+    if value == "none":
+        return None
+    if value not in QUANTIZATIONS:
+        r.fail(key.name, f"{' or '.join(QUANTIZATIONS)} (weight-only, quantized at load from "
+               "float weights); AWQ/GPTQ/fp8/bitsandbytes checkpoints are not supported: serve "
+               "fp16/bf16/fp32 weights (option.dtype)")
+    return value
+
+
+def async_scheduling(r: Reader, key: Key) -> bool | None:
+    return ASYNC_SCHEDULING[r.choice(key.name, "auto", set(ASYNC_SCHEDULING))]
+
+
+def api_server_count(r: Reader, key: Key) -> int:
+    """HTTP processes sharing one engine core process (vLLM's --api-server-count)."""
+    count = r.integer(key.name, key.default)
+    if count > MAX_API_SERVERS:
+        r.fail(key.name, f"an integer between 1 and {MAX_API_SERVERS}")
+    return count
+
+
+def api_server_nice(r: Reader, key: Key) -> int | None:
+    """How far the HTTP threads step back for the engine core process (None: auto)."""
+    value = r.raw(key.name)
+    if value is None or value.lower() == "auto":
+        return None
+    if not value.isdigit() or int(value) > MAX_NICE:
+        r.fail(key.name, f"auto or an integer between 0 and {MAX_NICE}")
+    return int(value)
+
+
+def max_workers(r: Reader, key: Key) -> int:
+    """DJL's -1 means "as many as fit"; one call at a time is what a handler can always take."""
+    workers = 1 if r.raw(key.name) == "-1" else r.integer(key.name, key.default)
+    if workers > MAX_WORKERS:
+        r.fail(key.name, f"an integer between 1 and {MAX_WORKERS} (or -1)")
+    return workers
+
+
+def entry_point(r: Reader, key: Key) -> str | None:
+    """A module name, or a .py file that stays inside the model folder."""
+    value = r.raw(key.name) or None
+    if value is None:
+        return None
+    return check_entry_point(value, r.model_dir, r.settings[key.name].source)
+
+
+def handler_function(r: Reader, key: Key) -> str:
+    value = r.raw(key.name) or key.default
+    if not value.isidentifier():
+        r.fail(key.name, "the name of a Python function")
+    return value
+
+
+def input_formatter(r: Reader, key: Key) -> str:
+    return _formatter(r, key, INPUT_FORMATTERS)
+
+
+def output_formatter(r: Reader, key: Key) -> str:
+    return _formatter(r, key, OUTPUT_FORMATTERS)
+
+
+def _formatter(r: Reader, key: Key, builtins: tuple[str, ...]) -> str:
+    """A built-in name, or the name of a function that model.py must define."""
+    value = r.raw(key.name)
+    if not value:
+        return key.default
+    return check_formatter(key.name, value, builtins, r.settings[key.name].source)
+
+
+# Rules that span keys: run once every key is read, with every resolved value by key name.
+
+def one_batching(r: Reader, values: Mapping[str, Any]) -> None:
+    """Dynamic batching (batch_size > 1) and rolling batching exclude each other."""
+    rolling = values["option.rolling_batch"]
+    if rolling != "disable" and values["batch_size"] > 1:
+        r.refuse("batch_size", f"dynamic batching (batch_size > 1) cannot be combined with "
+                 f"option.rolling_batch={rolling}; remove one of them")
+
+
+def api_servers_share_a_core(r: Reader, values: Mapping[str, Any]) -> None:
+    if values["option.api_server_count"] == 1:
+        return
+    if not values["option.engine_process"]:
+        r.fail("option.api_server_count", "1 with option.engine_process=false (several HTTP "
+               "processes share the engine core only when it runs in a process of its own)")
+    entry = values["option.entryPoint"]
+    if entry is not None and entry not in BUILTIN_ENTRY_POINTS:
+        r.fail("option.api_server_count", "1 with a custom handler (option.entryPoint): each "
+               "HTTP process would load its own copy of the handler's model")
+
+
+def nice_needs_a_core_process(r: Reader, values: Mapping[str, Any]) -> None:
+    if values["option.api_server_nice"] and not values["option.engine_process"]:
+        r.fail("option.api_server_nice", "auto or 0 with option.engine_process=false (the "
+               "engine core then runs on a thread of the HTTP process and would slow down too)")
