@@ -25,8 +25,8 @@
 # continuous and dynamic at 2 GiB of KV, then at 512 MiB, where the contiguous strategies hold
 # 8 sequences; ~3 min on the H200 of 11-26) into
 # sweep-kv-*.json, the logs into sweep-logs.tar.gz. CHECKS=served, in a second call, serves the
-# first preset over HTTP with option.api_server_count 1 and then 2 (128 streaming clients, the
-# served-gap run's raw_client.py) and puts req/s and time to first byte in summary.txt.
+# first preset over HTTP with option.api_server_count 1 and then 2 (128 streaming clients,
+# benchmark/tools/raw_client.py) and puts req/s and time to first byte in summary.txt.
 # CHECKS=ratio: #17's served/offline ratio where the host has cores to spare: the tiny model on
 # CPU, offline and served on cores 0-1 with the load generator on cores 2-3 and then on 0-1 too
 # (~4.5 min on the H200 machine of 11-26); then the first preset on the GPU, offline and served
@@ -180,8 +180,7 @@ option.api_server_count=%s\n" "$dtype" "$DEVICE" "$2" > "$props"
         --port "$port" >> "$OUT/log.txt" 2>&1 &
     pid=$!
     wait_ping "served-ping-$2" "$port"
-    step "served-api-server-count-$2" 90 "$PY" \
-        docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py --port "$port" \
+    step "served-api-server-count-$2" 90 "$PY" -m benchmark.tools.raw_client --port "$port" \
         --model-dir "$1" -n "${SERVED_REQUESTS:-1280}" -c 128
     grep "req/s;" "$OUT/log.txt" | tail -1 | sed "s/^/api_server_count=$2: /" >> "$OUT/summary.txt"
     kill -TERM "$pid"
@@ -267,7 +266,7 @@ ratio_served() {  # ratio_served NAME MODEL PROPERTIES SERVER_CPUS CLIENT_CPUS N
     pid=$!
     wait_ping "ratio-$1-ping" "$port"
     for clients in $7; do
-        MODEL=$2 step "ratio-$1-c$clients" 60 "${client[@]}" "$PY" "$R/measure.py" "$port" "$6" \
+        MODEL=$2 step "ratio-$1-c$clients" 60 "${client[@]}" "$PY" -m benchmark.tools.measure "$port" "$6" \
             "$clients" && grep "req/s | batch" "$OUT/log.txt" | tail -1 | \
             sed "s/^/$1, $clients clients: /" >> "$OUT/summary.txt"
     done
@@ -279,7 +278,7 @@ ratio_offline() {  # ratio_offline NAME MODEL PROPERTIES DTYPE CPUS N ROUNDS
     [ -n "$5" ] && cpus=(taskset -c "$5")
     for round in $(seq "$7"); do
         OMP_NUM_THREADS=1 MODEL=$2 DTYPE=$4 step "ratio-$1-$round" 90 "${cpus[@]}" "$PY" \
-            "$R/offline.py" "$3" "$6" && grep "^offline .* req/s" "$OUT/log.txt" | tail -1 | \
+            -m benchmark.tools.offline "$3" "$6" && grep "^offline .* req/s" "$OUT/log.txt" | tail -1 | \
             sed "s/^/$1: /" >> "$OUT/summary.txt"
     done
 }

@@ -44,8 +44,11 @@ def test_every_bench_option_it_passes_exists() -> None:
 
 def test_the_served_check_names_a_client_and_serve_options_that_exist() -> None:
     text = SCRIPT.read_text().replace("\\\n", " ")
-    (client,) = set(re.findall(r"(docs/\S+\.py)", text))
-    assert (SCRIPT.parent.parent / client).is_file()
+    assert re.findall(r"(docs/\S+\.py)", text) == [], "scripts live in benchmark/tools/"
+    tools = set(re.findall(r"-m benchmark\.tools\.(\w+)", text))
+    assert {"raw_client", "measure", "offline"} <= tools
+    for tool in tools:
+        assert (SCRIPT.parent.parent / "benchmark" / "tools" / f"{tool}.py").is_file()
     serve_flags = set(re.findall(r"(--[\w-]+)", text.split("handler.cli serve", 1)[1]
                                  .split("\n", 1)[0]))
     assert {"--properties", "--model-dir", "--port"} <= serve_flags

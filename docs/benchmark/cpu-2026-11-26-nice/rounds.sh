@@ -8,7 +8,7 @@ D=docs/benchmark/cpu-2026-11-26-direct-streams
 for r in $(seq "$ROUNDS"); do
   echo "round $r"
   for server in "$@"; do
-    echo "  ${server%%:*}: $(python $D/measure.py "${server##*:}" "$N")"
+    echo "  ${server%%:*}: $(python -m benchmark.tools.measure "${server##*:}" "$N")"
   done
-  echo "  $(OMP_NUM_THREADS=1 PYTHONPATH=. python $D/offline.py $D/paged.properties "$N" 2>&1 | tail -1)"
+  echo "  $(OMP_NUM_THREADS=1 PYTHONPATH=. python -m benchmark.tools.offline $D/paged.properties "$N" 2>&1 | tail -1)"
 done

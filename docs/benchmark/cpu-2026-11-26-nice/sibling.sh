@@ -5,7 +5,7 @@
 set -euo pipefail
 ROUNDS=${1:-3}; N=${2:-1280}
 D=docs/benchmark/cpu-2026-11-26-direct-streams
-offline() { OMP_NUM_THREADS=1 PYTHONPATH=. taskset -c 0 python $D/offline.py $D/paged.properties "$N" 2>&1 | tail -1; }
+offline() { OMP_NUM_THREADS=1 PYTHONPATH=. taskset -c 0 python -m benchmark.tools.offline $D/paged.properties "$N" 2>&1 | tail -1; }
 for r in $(seq "$ROUNDS"); do
   alone=$(offline)
   taskset -c 1 python -c "while True: pass" & spin=$!

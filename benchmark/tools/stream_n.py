@@ -2,21 +2,20 @@
 each, against a running server; prints req/s and the server's CPU per output token (its HTTP
 worker and engine core, from measure.py's /proc walk).
 
-    python docs/benchmark/cpu-2026-11-27-n-choices/stream_n.py PORT N CLIENTS REQUESTS
+    python -m benchmark.tools.stream_n PORT N CLIENTS REQUESTS
+
+Written for the n-choices run (docs/benchmark/cpu-2026-11-27-n-choices/).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import importlib.util
 import json
-import sys
 import time
 
-_spec = importlib.util.spec_from_file_location(
-    "measure", "docs/benchmark/cpu-2026-11-26-direct-streams/measure.py")
-measure = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(measure)
+from benchmark.tools import measure
+
 NEW_TOKENS = 64
 
 
@@ -58,5 +57,11 @@ async def run(port: int, n: int, clients: int, total: int) -> None:
 
 
 if __name__ == "__main__":
-    port, n, clients, total = (int(a) for a in sys.argv[1:5])
-    asyncio.run(run(port, n, clients, total))
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.stream_n",
+                                     description=__doc__.splitlines()[0])
+    for name, what in (("port", "the running server's port on 127.0.0.1"),
+                       ("n", "choices per request"), ("clients", "clients in the closed loop"),
+                       ("requests", "timed requests")):
+        parser.add_argument(name, type=int, help=what)
+    args = parser.parse_args()
+    asyncio.run(run(args.port, args.n, args.clients, args.requests))

@@ -1,14 +1,17 @@
 """Served / offline per round, for each client, from a rounds.sh output: the median, the range
 and how many rounds reached 0.9.
 
-    python docs/benchmark/cpu-2026-11-27-native-client/ratios.py ROUNDS_OUTPUT
+    python -m benchmark.tools.ratios ROUNDS_OUTPUT
+
+Written for the native-client run (docs/benchmark/cpu-2026-11-27-native-client/: its rounds.sh
+and rounds-*.txt).
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import statistics
-import sys
 from collections import defaultdict
 
 LINE = re.compile(r"round (\d+) (\S+)\s+(?:Requests/sec: )?\s*([\d.]+)")
@@ -16,7 +19,10 @@ LINE = re.compile(r"round (\d+) (\S+)\s+(?:Requests/sec: )?\s*([\d.]+)")
 
 def main() -> None:
     rounds: dict[int, dict[str, float]] = defaultdict(dict)
-    with open(sys.argv[1]) as lines:
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.ratios",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("rounds_output", help="what rounds.sh printed")
+    with open(parser.parse_args().rounds_output) as lines:
         for line in lines:
             if match := LINE.match(line):
                 rounds[int(match[1])][match[2]] = float(match[3])

@@ -2,11 +2,14 @@
 when it arrived, got its first token and ended (seconds from the first arrival), flagged where
 the time to first token passed 100 ms.
 
-    python docs/benchmark/gpu-h100-2026-11-26/timeline.py paged-2GiB.server.log
+    python -m benchmark.tools.timeline docs/benchmark/gpu-h100-2026-11-26/paged-2GiB.server.log
+
+Written for the H100 run of 2026-11-26 (docs/benchmark/gpu-h100-2026-11-26/, "A request-by-request
+timeline"), to see which requests waited in a burst.
 """
 
+import argparse
 import re
-import sys
 
 LINE = re.compile(r"(\d\d):(\d\d):(\d\d),(\d+) .*request (req-\d+): \d+ prompt tokens, "
                   r"(\d+) generated.*ttft (\d+) ms, total (\d+) ms")
@@ -31,4 +34,7 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.timeline",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("log", help="a served run's server log")
+    main(parser.parse_args().log)

@@ -3,14 +3,19 @@ req/s, mean sequences per step and step time (from /metrics), and the CPU second
 token of its HTTP worker and of its engine core process (from /proc), whose ratio does not move
 with this machine's speed.
 
-    python docs/benchmark/cpu-2026-11-26-direct-streams/measure.py PORT [N [CLIENTS]]
+    python -m benchmark.tools.measure PORT [N [CLIENTS]]
 
 MODEL in the environment (default /tmp/tiny320) is the model whose tokenizer the client uses;
 CLIENT_ARGS, more arguments for raw_client.py (e.g. --wake-at-end).
+
+Written for the direct-streams run (docs/benchmark/cpu-2026-11-26-direct-streams/); the served
+rounds of the later served / offline runs (nice, http-cpu, turnaround, unstreamed, core-overhead,
+native-client, the GPU served-ratio runs) and scripts/gpu_check.sh's ratio check use it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -19,7 +24,7 @@ import urllib.request
 
 MODEL = os.environ.get("MODEL", "/tmp/tiny320")
 CLIENT_ARGS = os.environ.get("CLIENT_ARGS", "").split()  # e.g. --wake-at-end
-CLIENT = "docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py"
+CLIENT = ["-m", "benchmark.tools.raw_client"]
 TICK = os.sysconf("SC_CLK_TCK")
 STEP_FACTS = ("batchyard_step_seconds_sum", "batchyard_step_seconds_count",
               "batchyard_batch_size_sum", "batchyard_generation_tokens_total",
@@ -50,10 +55,15 @@ def step_facts(port: int) -> dict[str, float]:
 
 
 def main() -> None:
-    port, n = int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "1280"
-    clients = sys.argv[3] if len(sys.argv) > 3 else "32"
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.measure",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("port", type=int, help="the running server's port on 127.0.0.1")
+    parser.add_argument("n", nargs="?", default="1280", help="requests (default 1280)")
+    parser.add_argument("clients", nargs="?", default="32", help="clients (default 32)")
+    args = parser.parse_args()
+    port, n, clients = args.port, args.n, args.clients
     (http0, core0), facts0 = cpu_seconds(port), step_facts(port)
-    run = subprocess.run([sys.executable, CLIENT, "--port", str(port), "--model-dir",
+    run = subprocess.run([sys.executable, *CLIENT, "--port", str(port), "--model-dir",
                           MODEL, "-n", n, "-c", clients, *CLIENT_ARGS],
                          capture_output=True, text=True, check=True)
     (http1, core1), facts1 = cpu_seconds(port), step_facts(port)

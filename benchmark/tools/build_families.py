@@ -1,9 +1,15 @@
 """Random Phi-3, Gemma 3 and Mixtral folders for `bench model-impl`, with the embedded default
-model's tokenizer: `python build_families.py <out>` (run once `batchyard serve` has unpacked it)."""
+model's tokenizer (run once `batchyard serve` has unpacked it):
 
+    python -m benchmark.tools.build_families OUT
+
+4 layers, hidden 256, 4 heads / 2 KV heads, float32, seed 0: the models of the native-families
+run (docs/benchmark/cpu-2026-11-25-native-families/).
+"""
+
+import argparse
 import logging
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -33,5 +39,9 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.build_families",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="folder for phi3/, gemma3/ and mixtral/")
+    out = parser.parse_args().out
     logging.basicConfig(level=logging.INFO)
-    main(Path(sys.argv[1]))
+    main(out)

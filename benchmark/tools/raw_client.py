@@ -11,8 +11,10 @@ body per request, as the LMI study's clients asked (docs/benchmark/cpu-2026-11-2
 `--keep-alive` (streams only): each client sends its requests over one kept connection, reading
 each body to its last chunk (docs/benchmark/cpu-2026-11-27-core-overhead/).
 
-    python docs/benchmark/cpu-2026-11-25-served-gap/raw_client.py --port 8080 \
-        --model-dir /tmp/tiny320 -n 960
+    python -m benchmark.tools.raw_client --port 8080 --model-dir /tmp/tiny320 -n 960
+
+Written for the served-gap run (docs/benchmark/cpu-2026-11-25-served-gap/); every later
+served / offline run on the tiny model uses it, most through benchmark.tools.measure.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ async def run(port: int, bodies: list[bytes], clients: int, wake_at_end: bool,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.raw_client",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("-n", type=int, default=960)

@@ -1,18 +1,19 @@
 """A wrk script (Lua) that posts raw_client.py's workload to /invocations: 512 different
 bodies of 24-token prompts and 64 new tokens (`details` on, EOS ignored), taken in turn.
 
-    PYTHONPATH=. python docs/benchmark/cpu-2026-11-27-native-client/wrk_script.py stream > s.lua
+    python -m benchmark.tools.wrk_script stream > s.lua
     wrk -t1 -c32 -d10s -s s.lua http://127.0.0.1:8141
 
 `stream` asks for streams, `whole` for one JSON body per request. MODEL (default
-/tmp/tiny320) is the model whose tokenizer builds the prompts.
+/tmp/tiny320) is the model whose tokenizer builds the prompts. Written for the native-client run
+(docs/benchmark/cpu-2026-11-27-native-client/).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 
 from transformers import AutoTokenizer
 
@@ -22,7 +23,11 @@ BODIES = 512
 
 
 def main() -> None:
-    stream = {"stream": True, "whole": False}[sys.argv[1]]
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.wrk_script",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("stream", "whole"),
+                        help="streams, or one JSON body per request")
+    stream = parser.parse_args().mode == "stream"
     tokenizer = AutoTokenizer.from_pretrained(os.environ.get("MODEL", "/tmp/tiny320"))
     jobs = synthetic_jobs(BODIES, Lengths.parse("24", "prompt"), Lengths.parse("64", "output"),
                           0, tokenizer)

@@ -3,25 +3,29 @@ CPU of an /invocations stream written by that thread. 27 streams, 64 steps: each
 CoreUpdate pickled as the core sends it, then what EngineLoop._emit does with it (unpickle,
 step metrics, detokenize, dispatch, make the line, send it to a socket pair). Best of 15 rounds.
 
-    PYTHONPATH=. python docs/benchmark/cpu-2026-11-26-http-cpu/output_thread.py [ROWS]
+    python -m benchmark.tools.output_thread [ROWS]
+
+Written for the http-cpu run (docs/benchmark/cpu-2026-11-26-http-cpu/); the core-overhead run
+(docs/benchmark/cpu-2026-11-27-core-overhead/) used it again. It drives engine internals (the
+output loop, the core's update records), so it follows their module paths.
 """
 
 from __future__ import annotations
 
+import argparse
 import pickle
 import random
 import socket
-import sys
 import time
 
 from transformers import AutoTokenizer
 
 from engine import SamplingParams
-from engine.core import CoreUpdate
+from engine.core.engine_core import CoreUpdate
 from engine.inputs import GenerationRequest
-from engine.loop import EngineLoop
-from engine.output_processor import StepOutput
 from engine.outputs import Gauges, StepStats
+from engine.serving.loop import EngineLoop
+from engine.text.output_processor import StepOutput
 from handler.http.direct_stream import DirectWriter
 from handler.http.generation import GenerateLines, _Written
 from handler.http.metrics import Metrics
@@ -97,7 +101,11 @@ def one_round(tokenizer, metrics: Metrics, rows: int, token_ids: list[int]) -> f
 
 
 def main() -> None:
-    rows = int(sys.argv[1]) if len(sys.argv) > 1 else 27
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.output_thread",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("rows", nargs="?", type=int, default=27,
+                        help="streams, one row each per step (default 27)")
+    rows = parser.parse_args().rows
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     metrics = Metrics()
     rng = random.Random(0)

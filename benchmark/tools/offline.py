@@ -1,16 +1,20 @@
 """The offline engine (LLMEngine.step() in a closed loop, no HTTP) on raw_client.py's workload:
 32 clients, 24-token prompts, 64 new tokens.
 
-    PYTHONPATH=. python docs/benchmark/cpu-2026-11-26-direct-streams/offline.py PROPERTIES [N]
+    python -m benchmark.tools.offline PROPERTIES [N]
 
 MODEL (default /tmp/tiny320) and DTYPE (default float32) in the environment pick another model,
-as scripts/gpu_check.sh's ratio check does on a GPU.
+as scripts/gpu_check.sh's ratio check does on a GPU. PROPERTIES is usually
+docs/benchmark/cpu-2026-11-26-direct-streams/paged.properties.
+
+Written for the direct-streams run (docs/benchmark/cpu-2026-11-26-direct-streams/): the offline
+side of every later served / offline ratio.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +29,12 @@ CLIENTS = 32
 
 
 def main() -> None:
-    properties, n = Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1280
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.offline",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("properties", type=Path, help="the engine's serving.properties")
+    parser.add_argument("n", nargs="?", type=int, default=1280, help="requests (default 1280)")
+    args = parser.parse_args()
+    properties, n = args.properties, args.n
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     jobs = synthetic_jobs(n + CLIENTS, Lengths.parse("24", "prompt"),
                           Lengths.parse("64", "output"), 0, tokenizer)

@@ -2,22 +2,24 @@
 prefill K new prompts of P tokens, at a batch of ~B running sequences, offline (no HTTP), with
 the engine's phase split.
 
-    PYTHONPATH=. python docs/benchmark/cpu-2026-11-27-core-pipes/mixed_steps.py [P [K [B]]]
+    python -m benchmark.tools.mixed_steps [P [K [B]]]
 
-MODEL (default /tmp/tiny320) in the environment picks another model.
+MODEL (default /tmp/tiny320) in the environment picks another model. Written for the core-pipes
+run (docs/benchmark/cpu-2026-11-27-core-pipes/, "A prompt's cost in the step that prefills it").
+It reads the engine's phase clock, an engine internal, so it follows its module path.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from benchmark.peer_engine import build_engine
 from engine import SamplingParams
-from engine.phases import StepPhases
+from engine.observe.phases import StepPhases
 
 MODEL = Path(os.environ.get("MODEL", "/tmp/tiny320"))
 PROPERTIES = Path("docs/benchmark/cpu-2026-11-26-direct-streams/paged.properties")
@@ -25,8 +27,15 @@ STEPS, WARM_UP = 6000, 500
 
 
 def main() -> None:
-    prompt_len, per_step, batch = (int(a) for a in (sys.argv[1:] + ["24", "1", "27"][len(
-        sys.argv) - 1:])[:3])
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tools.mixed_steps",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("P", nargs="?", type=int, default=24, help="prompt tokens (default 24)")
+    parser.add_argument("K", nargs="?", type=int, default=1,
+                        help="prompts prefilled per mixed step (default 1)")
+    parser.add_argument("B", nargs="?", type=int, default=27,
+                        help="running sequences (default 27)")
+    args = parser.parse_args()
+    prompt_len, per_step, batch = args.P, args.K, args.B
     engine, _ = build_engine(PROPERTIES, MODEL, "float32", None)
     phases = StepPhases()
     engine.measure_phases(phases)
