@@ -18,10 +18,15 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 
 from engine.sampling_params import RequestError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stub only
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +36,8 @@ MAX_CHOICES = 256
 COMPILED_CACHE_SIZE = 64
 # JSON as json.dumps writes it: ", " and ": ", no free whitespace. Free whitespace lets a model
 # loop on newlines until max_tokens (a known failure of any-whitespace JSON grammars).
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
+                                     "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class GuidedSpec:
         return cls("choice", json.dumps(options, ensure_ascii=False), field)
 
     @classmethod
-    def json_schema(cls, schema: dict | bool, field: str = "guided_json") -> GuidedSpec:
+    def json_schema(cls, schema: dict[str, Any] | bool, field: str = "guided_json") -> GuidedSpec:
         return cls("json", json.dumps(schema, ensure_ascii=False), field)
 
 
@@ -123,7 +129,8 @@ class GuidedDecoding:
     compiled matchers cached per spec and copied per sequence. The serving side uses check()
     to refuse, with the tokenizer, what check_spec() alone lets through."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                 eos_token_ids: frozenset[int]) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids) or None
@@ -192,8 +199,10 @@ class GuidedDecoding:
 
         started = time.perf_counter()
         try:
+            # Typed for fast tokenizers; it raises ValueError on a slow one, caught below.
             self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=max(self.vocab_size, len(self._hf_tokenizer)),
+                self._hf_tokenizer,  # type: ignore[arg-type]
+                n_vocab=max(self.vocab_size, len(self._hf_tokenizer)),
                 eos_token=self._eos)
             logger.info("guided decoding: llguidance's tokenizer view built in %.0f ms",
                         1000 * (time.perf_counter() - started))

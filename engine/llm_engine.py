@@ -22,7 +22,9 @@ from engine.text.output_processor import OutputProcessor, StepOutput
 from engine.text.tokenizer_files import load_tokenizer
 
 if TYPE_CHECKING:
-    from engine.runner.model_runner import StepResult
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.runner.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +58,9 @@ class LLMEngine:
     outputs, EOS and stop checks) one step later. A sequence that ends at step n has then
     computed one token more, which is dropped, never returned."""
 
-    def __init__(self, config: EngineConfig, tokenizer, scheduler: Scheduler, runner,
-                 max_model_len: int, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase,
+                 scheduler: Scheduler, runner: ModelRunner, max_model_len: int, vocab_size: int,
+                 eos_token_ids: frozenset[int]) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -122,8 +125,9 @@ class LLMEngine:
 
     def check_health(self) -> None:
         """WorkerLost when a tensor-parallel worker rank is gone (cheap: polls processes)."""
-        if getattr(self.runner, "peers", None) is not None:
-            self.runner.peers.check()
+        peers = getattr(self.runner, "peers", None)
+        if peers is not None:
+            peers.check()
 
     # --- requests ---
 
@@ -171,6 +175,7 @@ class LLMEngine:
     def _constrain(self, request_id: str, seq: Sequence) -> None:
         """Give a guided sequence its grammar state; one that cannot compile against this
         tokenizer ends the request (checked without the tokenizer at the boundary)."""
+        assert seq.params.guided is not None  # add() calls it for guided sequences only
         try:
             seq.constraint = self.guided.constraint(seq.params.guided)
             error = seq.constraint.error
@@ -293,6 +298,7 @@ class LLMEngine:
 
     def _land_in_flight(self) -> None:
         step, self._in_flight = self._in_flight, None
+        assert step is not None  # callers check that a step is in flight
         self._land(step)
 
     def _land(self, step: _InFlight) -> None:
@@ -359,11 +365,12 @@ class LLMEngine:
                           seq.num_known_output_tokens, reason, error, sample.top_logprobs)
 
 
-def close_runner(runner) -> None:
-    if getattr(runner, "peers", None) is None:
+def close_runner(runner: ModelRunner) -> None:
+    peers = getattr(runner, "peers", None)
+    if peers is None:
         return
     from engine.parallel.comm import leave_group
 
-    runner.peers.stop()
+    peers.stop()
     runner.use_peers(None)
     leave_group()

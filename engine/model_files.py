@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 
 class ModelFileError(ValueError):
@@ -24,7 +25,7 @@ def json_problem(path: Path) -> str | None:
     return None
 
 
-def read_json_object(path: Path) -> dict:
+def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object `path` holds; ModelFileError naming the file otherwise."""
     try:
         value = json.loads(path.read_bytes())
@@ -36,7 +37,7 @@ def read_json_object(path: Path) -> dict:
     return value
 
 
-def open_checkpoint(path: Path) -> AbstractContextManager:
+def open_checkpoint(path: Path) -> AbstractContextManager[Any]:
     """safetensors' safe_open for reading tensors on the CPU; ModelFileError naming the file
     when its header cannot be read (a truncated or foreign file)."""
     from safetensors import SafetensorError, safe_open

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up (first run only) and run the whole test suite on CPU, offline.
+# Set up (first run only), type check (mypy), and run the whole test suite on CPU, offline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# Type check engine/ and handler/ ([tool.mypy] in pyproject.toml); a failure stops here.
+.venv/bin/python -m mypy
 exec .venv/bin/python -m pytest "$@"

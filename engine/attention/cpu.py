@@ -11,6 +11,7 @@ Without a C compiler the backend fails its start-up check and `auto` uses the re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -47,6 +48,9 @@ class CpuPagedAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> DecodeRows | None:
         if meta.decode_token_idx is None:
             return None
+        # set with decode_token_idx (engine/runner/step_metadata.py)
+        assert meta.decode_pages is not None and meta.decode_ctx is not None
+        assert meta.decode_lo is not None
         num_rows = meta.decode_token_idx.numel()
         whole_batch = num_rows == meta.slot_mapping.numel()  # decode-only: rows 0..B-1
         return DecodeRows(
@@ -56,7 +60,7 @@ class CpuPagedAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        rows: DecodeRows | None = meta.backend_state
+        rows = cast("DecodeRows | None", meta.backend_state)  # what prepare() returned
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
         in_place = (k_cache.dtype == torch.float32 and k_cache.is_contiguous()
                     and v_cache.is_contiguous())

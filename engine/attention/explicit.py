@@ -22,7 +22,9 @@ def explicit_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     out = torch.empty_like(q)
     g = meta.page_size
     if meta.decode_token_idx is not None:
-        rows = meta.decode_token_idx
+        # set with decode_token_idx (engine/runner/step_metadata.py)
+        assert meta.decode_pages is not None and meta.decode_ctx is not None
+        rows: torch.Tensor | slice = meta.decode_token_idx  # a slice for prefill rows below
         keys = gather_pages(k_cache, meta.decode_pages, g)  # [B, T, Hkv, D]
         values = gather_pages(v_cache, meta.decode_pages, g)
         k_pos = torch.arange(keys.shape[1], device=q.device)[None, :]  # [1, T]

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, flex_attention
 
 from engine.attention.reference import AttentionBackend, AttentionMetadata
 
@@ -74,8 +75,9 @@ class FlexAttention(AttentionBackend):
         # block holds one sequence's rows (one, for a decode), so larger tiles would mostly
         # compute padding. The main kernel, as vLLM forces too: flex_decoding (auto below 128
         # query rows) is untried with this mask.
-        self.kernel_options = ({"BLOCK_M": QUERY_BLOCK, "BLOCK_N": kv_block, "BACKEND": "TRITON"}
-                               if device.type == "cuda" else None)
+        self.kernel_options: FlexKernelOptions | None = (
+            {"BLOCK_M": QUERY_BLOCK, "BLOCK_N": kv_block, "BACKEND": "TRITON"}
+            if device.type == "cuda" else None)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
         # Past the limit dynamo would run flex_attention eagerly, which materialises scores over
@@ -103,7 +105,8 @@ class FlexAttention(AttentionBackend):
         rows = max(QUERY_BLOCK, 1 << (num_blocks * QUERY_BLOCK - 1).bit_length())
         self._grow(num_decodes + len(meta.prefills), max(
             [row.kv_pages.numel() for row in meta.prefills]
-            + [meta.decode_pages.shape[1] if num_decodes else 0]), g)
+            + [meta.decode_pages.shape[1] if num_decodes and meta.decode_pages is not None
+               else 0]), g)
         token_rows = torch.empty(meta.slot_mapping.numel(), dtype=torch.int64, device=device)
         q_seq = torch.zeros(rows, dtype=torch.int32, device=device)  # [Q]
         q_pos = torch.full((rows,), -1, dtype=torch.int32, device=device)  # [Q]
@@ -112,6 +115,9 @@ class FlexAttention(AttentionBackend):
                                device=device)  # [Q / 16]
         seqs, pages, logical = [], [], []
         if num_decodes:
+            # set with decode_token_idx (engine/runner/step_metadata.py)
+            assert meta.decode_pages is not None and meta.decode_ctx is not None
+            assert meta.decode_lo is not None
             decodes = torch.arange(num_decodes, device=device)  # [B]
             first_rows = decodes * QUERY_BLOCK  # [B]: each decode row starts its own block
             token_rows[meta.decode_token_idx] = first_rows
@@ -160,7 +166,7 @@ class FlexAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        step: FlexStep = meta.backend_state
+        step = cast(FlexStep, meta.backend_state)  # what prepare() returned
         if step.block_mask is None:  # the first layer knows the pool size; the rest reuse it
             step.block_mask = self._block_mask(step, k_cache.shape[0], meta.page_size)
         rows = step.q_seq.numel()

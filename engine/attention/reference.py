@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,11 @@ class AttentionMetadata:
 
     def for_layer(self, layer: int, window: int | None) -> AttentionMetadata:
         """What layer number `layer`, attending within `window`, reads and writes."""
-        mine = self if self.groups is None else self.groups[self.layer_groups[layer]]
+        if self.groups is None:
+            mine = self
+        else:
+            assert self.layer_groups is not None  # set together with groups
+            mine = self.groups[self.layer_groups[layer]]
         assert window == mine.window, f"layer {layer} (window {window}) read window {mine.window}"
         return mine
 
@@ -77,6 +82,9 @@ class AttentionBackend(ABC):
     # Whether forward() reads PrefillRow.mask: built only then (a few tensor ops per prompt
     # row with a prefix or a window, on the host's critical path of a GPU step).
     reads_prefill_mask = True
+    # (max_rows, pytree types) of the latest warm-up (engine/runner/attention_check.py);
+    # None: none
+    warmed_up: tuple[int, int] | None = None
 
     def prepare(self, meta: AttentionMetadata) -> object | None:
         return None
@@ -106,7 +114,8 @@ class ReferenceAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return reference_attention(q, k_cache, v_cache, meta, scale, meta.backend_state)
+        groups = cast("tuple[DecodeGroup, ...] | None", meta.backend_state)  # from prepare()
+        return reference_attention(q, k_cache, v_cache, meta, scale, groups)
 
 
 # A group costs about this many (row x page) cells of padding in fixed per-call overhead
@@ -120,6 +129,7 @@ def decode_groups(meta: AttentionMetadata) -> tuple[DecodeGroup, ...]:
     gathering and attending to padding is most of decode attention's cost when lengths vary."""
     if meta.decode_token_idx is None:
         return ()
+    assert meta.decode_pages is not None  # set with decode_token_idx
     mask = decode_visible(meta)
     whole = DecodeGroup(meta.decode_token_idx, meta.decode_pages, mask)
     lens = meta.decode_context_lens
@@ -144,6 +154,9 @@ def decode_visible(meta: AttentionMetadata) -> torch.Tensor:
     metadata's decode_mask, or built from its contexts and first visible positions)."""
     if meta.decode_mask is not None:
         return meta.decode_mask
+    # set with decode_token_idx (engine/runner/step_metadata.py)
+    assert meta.decode_pages is not None and meta.decode_ctx is not None
+    assert meta.decode_lo is not None
     width = meta.decode_pages.shape[1] * meta.page_size
     pos = torch.arange(width, device=meta.decode_ctx.device)  # [T]
     return visible_positions(pos, meta.decode_ctx, meta.decode_lo)
@@ -197,6 +210,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """q [num_tokens, num_heads, head_dim] → out [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
     if groups is None and meta.decode_token_idx is not None:
+        assert meta.decode_pages is not None  # set with decode_token_idx
         groups = (DecodeGroup(meta.decode_token_idx, meta.decode_pages, decode_visible(meta)),)
     decode_reference(q, k_cache, v_cache, meta.page_size, scale, groups or (), out)
     prefill_attention(q, k_cache, v_cache, meta, scale, out)

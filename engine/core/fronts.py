@@ -13,7 +13,7 @@ import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, Pipe
 
-from engine.core.engine_core import CoreUpdate
+from engine.core.engine_core import CoreMessage, CoreUpdate
 from engine.core.process import CoreFailed, CoreReady, FrontReading, Readiness, send_message
 from engine.inputs import AbortRequest, AddRequest, StopCore
 
@@ -88,8 +88,8 @@ class Fronts:
             messages.append(StopCore())  # the last front left: nothing can reach us any more
         return messages
 
-    def _read(self, conn: Connection) -> list:
-        messages = []
+    def _read(self, conn: Connection) -> list[CoreMessage]:
+        messages: list[CoreMessage] = []
         try:
             readable = True  # receive() found it so: a message at least, or its end
             while readable:
@@ -133,10 +133,10 @@ class Fronts:
             return
         mine: dict[Connection, list] = {conn: [] for conn in self._reading}
         for out in update.outputs:
-            conn = (self._owner.pop(out.request_id, None) if out.finish_reason is not None
-                    else self._owner.get(out.request_id))
-            if conn in mine:
-                mine[conn].append(out)
+            owner = (self._owner.pop(out.request_id, None) if out.finish_reason is not None
+                     else self._owner.get(out.request_id))
+            if owner in mine:
+                mine[owner].append(out)
         for i, conn in enumerate(self._reading):
             self._send(conn, CoreUpdate(mine[conn], update.gauges,
                                         update.stats if i == 0 else None))

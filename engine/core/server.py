@@ -27,6 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Listener
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ class CoreAddress:
 
 @dataclass(frozen=True)
 class _Setup:
-    config: object  # EngineConfig (not imported here: this module stays free of torch)
+    config: EngineConfig  # imported for type checking only: this module stays free of torch
     address: CoreAddress
     prepare: Callable[[], object] | None  # e.g. build the default model: runs before loading
     log_level: int
@@ -54,7 +58,8 @@ class _Setup:
 class CoreServer:
     """The core process, seen from the process that started it."""
 
-    def __init__(self, config, prepare: Callable[[], object] | None = None) -> None:
+    def __init__(self, config: EngineConfig,
+                 prepare: Callable[[], object] | None = None) -> None:
         self._dir = tempfile.mkdtemp(prefix="batchyard-core-")  # 0700: ours alone
         self.address = CoreAddress(str(Path(self._dir) / "core.sock"), secrets.token_bytes(32))
         setup = _Setup(config, self.address, prepare, logging.getLogger().getEffectiveLevel())
@@ -64,6 +69,7 @@ class CoreServer:
         start = (f"import sys; sys.path[:0] = {sys.path!r}; "
                  "from engine.core.server import main; main()")
         self._process = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE)
+        assert self._process.stdin is not None  # stdin=PIPE
         self._process.stdin.write(pickle.dumps(setup))
         self._process.stdin.close()
         logger.info("engine core process %d started; serving processes connect to it in %s",

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from functools import cached_property
+from typing import cast
 
 from engine.kv.allocator import KVAllocator
 from engine.kv.layout import blocks_held
@@ -141,8 +142,9 @@ class BlockManager(KVAllocator):
         matched = self._longest_match(cached)
         self.prefix_queries += min(matched + 1, (seq.num_tokens - 1) // self.block_size)
         self.prefix_hits += matched
+        # Every block the next query sees is cached (not None): _longest_match chose so.
         seq.block_tables = [
-            [self._share(blocks[i]) if i >= self._first_seen(matched, window)
+            [self._share(cast(int, blocks[i])) if i >= self._first_seen(matched, window)
              else self.outside_window for i in range(matched)]
             for blocks, window in zip(cached, self.table_windows, strict=True)]
         seq.num_computed_tokens = matched * self.block_size

@@ -8,11 +8,15 @@ against transformers op for op.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from engine.kernels import load_kernels
 from engine.models.layers import RMSNorm, apply_rope
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,9 @@ def fused_ops_for(model: torch.nn.Module, dtype: torch.dtype,
 def _check(ops: FusedCpuOps, model: torch.nn.Module) -> None:
     """RoPE bit for bit; RMSNorm and the greedy logprob to rounding; the argmax exactly; on
     the first layer's shapes."""
-    layer, spec = model.layers[0], model.spec
+    native = cast("LlamaForCausalLM", model)  # only native models take the fused ops
+    layer: Any = native.layers[0]  # a DecoderLayer, whose norms are Llama's or Gemma's
+    spec = native.spec
     generator = torch.Generator().manual_seed(0)
     n, d = 3, spec.head_dim
     heads = spec.num_heads + 2 * spec.num_kv_heads

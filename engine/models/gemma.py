@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +111,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma, Gemma 2 and Gemma 3 (text). Gemma 2's soft-capped layers attend explicitly, so
     its decode runs eagerly (no CUDA graphs)."""
 
+    embed_scale: torch.Tensor  # a buffer (init_rope), declared for the type checker
+
     def __init__(self, config: dict, spec: ModelSpec, shard=None, comm=None) -> None:
         super().__init__(config, spec, shard, comm)
         kinds = layer_types(config)
@@ -182,4 +185,4 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def use_fused_cpu_ops(self, ops) -> None:
         """The C RMSNorm is Llama's (weight x normalised): Gemma's layers keep PyTorch ops."""
         for layer in self.layers:
-            layer.fused = None
+            cast(GemmaDecoderLayer, layer).fused = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from engine.attention.reference import AttentionMetadata, store_kv
 from engine.models.linear import pack_linears
 from engine.models.registry import native_names
 from engine.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +84,7 @@ class TransformersModel(nn.Module):
 
     graph_safe = False  # transformers' Python per step: decode runs eagerly, no CUDA graphs
 
-    def __init__(self, hf_model: nn.Module, spec: ModelSpec) -> None:
+    def __init__(self, hf_model: PreTrainedModel, spec: ModelSpec) -> None:
         super().__init__()
         self.hf = hf_model
         self.spec = spec
@@ -157,7 +161,7 @@ def refuse_unservable(arch: str, config: dict, trust_remote_code: bool) -> None:
 
 
 @torch.inference_mode()
-def _probe_spec(hf: nn.Module, arch: str) -> ModelSpec:
+def _probe_spec(hf: PreTrainedModel, arch: str) -> ModelSpec:
     """Run one token with the probe kwarg: each layer reports its index, KV shape and the
     attention features it asks for."""
     reports: list = []

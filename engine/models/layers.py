@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -92,7 +93,9 @@ def _longrope(config: dict, dim: int) -> tuple[torch.Tensor, torch.Tensor, float
     factor = rope.get("factor") or config["max_position_embeddings"] / original
     scale = rope.get("attention_factor")
     if scale is None:
-        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        # original is None only without original_max_position_embeddings (a TypeError then)
+        scale = 1.0 if factor <= 1.0 else math.sqrt(
+            1 + math.log(factor) / math.log(cast(int, original)))
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     base = _theta(config) ** shape
     short = 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32) * base)

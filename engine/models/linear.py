@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,12 @@ DECODE_BATCH_HINT = 32
 # Largest |packed - aten| allowed, relative to the largest |aten| output, at start-up.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 GEMM_TILE = 16  # output columns per tile in engine/kernels/gemm.c
+
+
+class PacksLinears(Protocol):
+    """A model that packs its own matmuls (the native models, the transformers fallback)."""
+
+    def pack_linears(self, backend: str, batch_hint: int) -> int: ...
 
 
 class TiledLinear(nn.Module):
@@ -168,11 +175,13 @@ def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.dev
     """Packed CPU matmuls: `auto` tries the tiled kernel, then oneDNN, then keeps aten; a
     backend asked for by name that fails or disagrees at start-up stops it. With
     quantize=int8 every layer becomes an Int8Linear instead, on any device."""
+    # duck-typed: a model without pack_linears is refused (int8) or fails every backend
+    packable = cast(PacksLinears, model)
     if config.quantize == "int8":
         if not hasattr(model, "pack_linears"):
             raise ValueError("invalid quantize='int8': needs a native model without sparse "
                              f"experts ({native_names(dense_only=True)})")
-        count = model.pack_linears("int8", min(config.max_num_seqs, 64))
+        count = packable.pack_linears("int8", min(config.max_num_seqs, 64))
         fused = sum(1 for m in model.modules() if isinstance(m, Int8Linear) and m.kernel)
         logger.info("weights quantized to int8 (weight-only, per output channel): %d layers, "
                     "%d on PyTorch's fused int8 matmul, %d dequantized per step (no fused kernel "
@@ -182,7 +191,7 @@ def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.dev
     candidates = linear_candidates(config.linear_backend, device, dtype)
     for backend in candidates:
         try:
-            count = model.pack_linears(backend, min(config.max_num_seqs, 64))
+            count = packable.pack_linears(backend, min(config.max_num_seqs, 64))
         except Exception as err:  # noqa: BLE001 - a kernel that fails or disagrees: next one
             if config.linear_backend == backend:
                 raise ValueError(f"invalid linear_backend={backend!r}: {err}") from err

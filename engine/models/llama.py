@@ -146,6 +146,7 @@ class DecoderLayer(nn.Module):
         each (engine/models/cpu_fused.py); CPU, float32."""
         # the fused ops are only set on layers of Llama's RMSNorm (Gemma's keep PyTorch ops)
         ops = self.fused
+        assert ops is not None  # forward() comes here only with them
         norm1 = cast(RMSNorm, self.input_layernorm)
         norm2 = cast(RMSNorm, self.post_attention_layernorm)
         qkv = self._norm_heads(self.qkv_proj(ops.rms_norm(x, norm1.weight, norm1.eps)))
@@ -164,6 +165,9 @@ class LlamaForCausalLM(nn.Module):
 
     Sharded over tensor-parallel ranks when given a Shard and its Collectives: `spec` is then
     this rank's part (its heads), `full_spec` the checkpoint's."""
+
+    rope_cos: torch.Tensor  # buffers (init_rope), declared for the type checker
+    rope_sin: torch.Tensor
 
     def __init__(self, config: dict, spec: ModelSpec, shard: Shard | None = None,
                  comm: Collectives | None = None) -> None:
@@ -201,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(self.spec, config, inter // shard.size, comm,
                                                  window, shared, i)
                                     for i, window in enumerate(windows))
-        self.norm = RMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
+        self.norm: nn.Module = RMSNorm(spec.hidden_size, config.get("rms_norm_eps", 1e-6))
+        self.lm_head: nn.Module | None = None if self.tie_word_embeddings else nn.Linear(
             spec.hidden_size, vocab_rows, bias=False)
         if self.embed_tokens.weight.device.type != "meta":  # else the loader calls it once real
             self.init_rope()
@@ -285,8 +289,8 @@ class LlamaForCausalLM(nn.Module):
         and free of host reads; otherwise routing reads the host and decode runs eagerly."""
         if self.layers[0].moe is None:
             return
-        for layer in self.layers:
-            layer.moe.dense_decode = on
+        for layer in self.layers:  # each has experts when the first has
+            cast(SparseMoE, layer.moe).dense_decode = on
         self.graph_safe = on
         self.syncs_host = not on  # (prefill still reads the router's choice)
 
@@ -294,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         """The C RoPE rotates whole heads: a partly rotated head keeps the PyTorch ops."""
         whole_heads = rotary_dim(self.config, self.spec.head_dim) == self.spec.head_dim
         for layer in self.layers:
-            layer.fused = ops if whole_heads else None
+            cast(DecoderLayer, layer).fused = ops if whole_heads else None
 
     def pack_linears(self, backend: str, batch_hint: int) -> int:
         """Every matmul through a packed CPU backend (engine.models.linear). A tied lm_head gets

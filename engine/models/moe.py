@@ -95,7 +95,10 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(num_experts * 2 * inter, hidden))  # gate; up rows
         self.w2 = nn.Parameter(torch.empty(num_experts * hidden, inter))  # down
-        self.shared_gate_up = self.shared_down = self.shared_gate = None
+        # nn.Linear, or a packed layer that replaced it (engine/models/linear.py)
+        self.shared_gate_up: nn.Module | None = None
+        self.shared_down: nn.Module | None = None
+        self.shared_gate: nn.Module | None = None
         if settings.shared_inter:
             self.shared_gate_up = nn.Linear(hidden, 2 * shared_inter, bias=False)
             self.shared_down = nn.Linear(shared_inter, hidden, bias=False)
@@ -115,6 +118,7 @@ class SparseMoE(nn.Module):
         else:
             out = self._sparse(x, weights, chosen, w13, w2)
         if self.shared_gate is not None:  # added after the routed experts, as transformers does
+            assert self.shared_gate_up is not None and self.shared_down is not None  # set together
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_down(F.silu(gate) * up)
         return out

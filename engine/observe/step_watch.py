@@ -22,9 +22,13 @@ import threading
 import time
 import traceback
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from engine.observe.phases import PhaseMarks
 from engine.outputs import StepStats
+
+if TYPE_CHECKING:
+    from torch._dynamo.callback import CompilationCallbackHandler
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class StepWatch:
         self._gc_seconds, self._gc_runs = 0.0, 0
         self._compile_started: float | None = None
         self._compile_seconds, self._compile_runs = 0.0, 0
-        self._dynamo = None
+        self._dynamo: CompilationCallbackHandler | None = None
         self._step = 0  # steps started; the sampler tags its stack with one
         self._step_started: float | None = None
         self._stack: tuple[int, str] | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -19,6 +20,9 @@ from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.base import ScheduledBatch
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.attention.flex import FlexAttention
 
 logger = logging.getLogger(__name__)
 
@@ -150,10 +154,12 @@ def prepare_attention(runner: ModelRunner, asked: str, max_num_seqs: int, max_to
     tokens, check it against the reference (`auto` falls back to the reference), and on CUDA
     compile its step sizes for steps of up to `max_tokens` tokens (flex pads them to more rows)."""
     flex = hasattr(runner.attention, "reserve")  # its tables sized once, never regrown
-    max_rows = runner.attention.query_rows(max_tokens, max_num_seqs) if flex else max_tokens
+    max_rows = max_tokens
     if flex:  # wide enough for the warm-up's longest prompt too
+        sized = cast("FlexAttention", runner.attention)
+        max_rows = sized.query_rows(max_tokens, max_num_seqs)
         warm_up_rows = warm_up_buckets(max_rows, runner.kv_cache.shape[2])[-1:]
-        runner.attention.reserve(max_num_seqs, max([max_model_len, *warm_up_rows]))
+        sized.reserve(max_num_seqs, max([max_model_len, *warm_up_rows]))
     check_or_fall_back(runner, asked)
     if hasattr(runner.attention, "reserve") and runner.device.type in WARM_UP_DEVICES:
         # (flex still: not fallen back.) Each new step size would otherwise stall its requests

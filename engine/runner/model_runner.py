@@ -7,7 +7,7 @@ derived on the device from the uploaded integers.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -36,8 +36,12 @@ from engine.sequence import Sequence
 class PlanSender(Protocol):
     """Hands each step's plan to the other tensor-parallel ranks (engine/runner/tp_workers.py)."""
 
+    size: int  # ranks, this one included
+
     def send(self, plan: StepPlan) -> None: ...
     def kill(self) -> None: ...
+    def check(self) -> None: ...
+    def stop(self, timeout: float = ...) -> None: ...
 
 
 class StepResult:
@@ -158,9 +162,11 @@ class ModelRunner:
         views, meta, sampler_plan = self._stage(plan, sampling, describe=not padded)
         self.phases.mark("prepare")
         if padded:
+            assert self.padded_decode is not None  # _padded() is False without it
             logits = self.padded_logits(views)
             self.last_step_graph = self.padded_decode.replayed
         elif piecewise:
+            assert self.piecewise is not None
             logits = self.piecewise_logits(views, meta)
             self.last_step_graph = self.piecewise.replayed
         else:
@@ -187,6 +193,7 @@ class ModelRunner:
         """A step staged as token rows through its bucket (a CUDA graph where captured) →
         logits [S, vocab] float32 of the sampled rows (None when no row samples)."""
         rows = views["sample_rows"]  # [S] ascending packed rows
+        assert self.padded_decode is not None  # called when _padded() chose this path
         logits = self.padded_decode.run(views["tokens"], views["decode"], views["decode_pages"],
                                         rows)  # [S, vocab]
         return logits if rows.numel() else None
@@ -196,6 +203,7 @@ class ModelRunner:
         """A step run padded, cut at attention (piecewise graphs where captured) → logits
         [S, vocab] float32 of the sampled rows (None when no row samples)."""
         rows = views["sample_rows"]  # [S] ascending packed rows
+        assert self.piecewise is not None  # called when execute() found it fits
         logits = self.piecewise.run(views["tokens"], meta, rows)  # [S, vocab]
         return logits if rows.numel() else None
 
@@ -213,7 +221,8 @@ class ModelRunner:
         """A step whose tokens, as rows (engine/runner/graphs/whole_step.py), fit a bucket."""
         if self.padded_decode is None or (plan.prefills and not self.padded_decode.prompt_rows):
             return False
-        widest = max(row[-1] for row in (*plan.decodes, *plan.prefills))  # a context length
+        # a context length (the last field of both tuple kinds)
+        widest = max(cast(int, row[-1]) for row in (*plan.decodes, *plan.prefills))
         return self.padded_decode.fits(len(plan.ids), -(-widest // self.page_size))
 
     def pack(self, batch: ScheduledBatch) -> StepPlan:
@@ -247,6 +256,7 @@ class ModelRunner:
                                    [src for _, src in plan.carried]], shape=(2, len(plan.carried)))
         views = buffer.upload()
         if plan.carried:  # the pending inputs, from the previous step's samples on the device
+            assert self._carry is not None  # pack() carries only from a previous step's rows
             dst, src = views["carried"]
             views["tokens"][0].index_copy_(0, dst, self._carry[0].ids().index_select(0, src))
         meta = self._metadata(views, plan.decodes, plan.prefills, page_spans) if describe \

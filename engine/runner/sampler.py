@@ -15,13 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
 from engine.outputs import SampledToken
 from engine.runner.step_buffer import StepBuffer
-from engine.sequence import Sequence
+from engine.sequence import Constraint, Sequence
+
+if TYPE_CHECKING:
+    from engine.guided import Constraint as GrammarState
 
 # logits [S, vocab] float32 → [S, 2] float64 (argmax id, its log-probability; NaN where the
 # kernel cannot tell, e.g. a row holding NaN): a faster greedy path (the CPU C kernel)
@@ -45,7 +49,7 @@ class SamplingPlan:
     any_openai_penalty: bool = False  # frequency or presence
     # (constraint, row) of the rows a grammar guides: their masks are filled while the forward
     # runs, then uploaded with one copy
-    guided: tuple[tuple[object, int], ...] = ()
+    guided: tuple[tuple[Constraint, int], ...] = ()
 
 
 class Sampler:
@@ -63,7 +67,7 @@ class Sampler:
                                 any_sampled=False, any_top_k=False, any_top_p=False,
                                 any_penalty=False, any_eos_mask=False)
         params = [seq.params for seq in seqs]
-        eos_masked = [_eos_masked(seq) for seq in seqs]
+        eos_masked: list[int] = [_eos_masked(seq) for seq in seqs]  # bools, rows of ints
         guided = tuple((seq.constraint, i) for i, seq in enumerate(seqs)
                        if seq.constraint is not None)
         counted = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
@@ -106,7 +110,7 @@ class Sampler:
         """Queue the batch's sampling and its one device-to-host copy; wait for neither."""
         if plan.plain_greedy and self.greedy is not None and max(plan.top_logprobs) == 0:
             packed = self.greedy(logits)  # computed on the host, here and now
-            host = packed.numpy()
+            host: torch.Tensor | np.ndarray = packed.numpy()
             if not np.isnan(host[:, 1]).any():
                 return SampledRows(packed, host, None, plan)
         if plan.guided:  # the host's grammar work overlaps the device's forward
@@ -139,10 +143,10 @@ class SampledRows:
     def tokens(self) -> list[SampledToken]:
         """Wait for the copy, then one SampledToken per row."""
         host = self._host
-        if self._done is not None:
+        if self._done is not None:  # then a pinned tensor the device copies into
             self._done.synchronize()
-            host = host.numpy()
-        return unpack(host, self._plan)
+            host = cast(torch.Tensor, host).numpy()
+        return unpack(cast(np.ndarray, host), self._plan)
 
 
 def sample(logits: torch.Tensor, plan: SamplingPlan,
@@ -264,12 +268,13 @@ class GrammarMasks:
         self._host: torch.Tensor | None = None  # [rows, W] int32
 
     def fill(self, plan: SamplingPlan, rows: int, device: torch.device) -> torch.Tensor:
-        constraint = plan.guided[0][0]
+        guided = cast("tuple[tuple[GrammarState, int], ...]", plan.guided)  # engine/guided.py's
+        constraint = guided[0][0]
         words = (constraint.matcher_vocab + 31) // 32
         host = self._buffer(rows, words, device)[:rows]
         host.fill_(-1)
         executor = constraint.executor
-        executor.unsafe_compute_mask_ptr([(c.matcher, row) for c, row in plan.guided],
+        executor.unsafe_compute_mask_ptr([(c.matcher, row) for c, row in guided],
                                          host.data_ptr(), words * 4, rows)
         return host if device.type == "cpu" else host.to(device, non_blocking=True)
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -84,11 +85,13 @@ class StepBuffer:
         if isinstance(values, np.ndarray):
             self._ints[start:self._used] = values.reshape(-1)
             return
+        flat: Iterable[object] = values
         if count and not isinstance(values[0], int | np.generic):  # rows
-            assert sum(map(len, values)) == count, f"section {name}: rows do not fill {shape}"
-            values = itertools.chain.from_iterable(values)
+            rows = cast("Sequence[Sequence[int]]", values)
+            assert sum(map(len, rows)) == count, f"section {name}: rows do not fill {shape}"
+            flat = itertools.chain.from_iterable(rows)
         # fromiter: 3x faster than numpy's conversion of nested lists (~30 us a step at batch 32)
-        self._ints[start:self._used] = np.fromiter(values, dtype=np.int64, count=count)
+        self._ints[start:self._used] = np.fromiter(flat, dtype=np.int64, count=count)
 
     def put_floats(self, name: str, values: Sequence[float] | Sequence[Sequence[float]],
                    shape: tuple[int, ...] | None = None) -> None:

@@ -90,6 +90,7 @@ class WorkerGroup:
         self.check()
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, proc in enumerate(self._procs, start=1):
+            assert proc.stdin is not None  # stdin=PIPE
             try:
                 proc.stdin.write(data)
                 proc.stdin.flush()
@@ -149,6 +150,7 @@ class WorkerGroup:
 
     @staticmethod
     def _write(proc: subprocess.Popen, message: Any) -> None:
+        assert proc.stdin is not None  # stdin=PIPE
         pickle.dump(message, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
         proc.stdin.flush()
 
@@ -170,6 +172,7 @@ def _stop(procs: list[subprocess.Popen], status: list[int], store_dir: str,
             pass
     status.clear()
     for proc in procs:
+        assert proc.stdin is not None  # stdin=PIPE
         try:
             proc.stdin.close()
         except OSError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from jinja2 import TemplateError
 
@@ -21,6 +22,9 @@ from engine.sampling_params import RequestError
 from engine.serving.loop import Core, EngineLoop, RequestHandle
 from engine.text.tokenizer_files import load_tokenizer
 from engine.text.tokenizer_pool import MAX_CHARS_PER_TOKEN, TokenizerPool
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class EngineClient:
@@ -51,7 +55,8 @@ class EngineClient:
             core.terminate()
             raise
         client = cls.__new__(cls)
-        client._init(core, tokenizer, core.limits, config, max_queued, on_step)
+        # A Core once ready: receive() then yields CoreUpdates only (CoreReady came first).
+        client._init(cast(Core, core), tokenizer, core.limits, config, max_queued, on_step)
         return client
 
     @classmethod
@@ -69,12 +74,13 @@ class EngineClient:
             core.terminate()
             raise
         client = cls.__new__(cls)
-        client._init(core, tokenizer, core.limits, config, max_queued, on_step,
+        # A Core once ready: receive() then yields CoreUpdates only (CoreReady came first).
+        client._init(cast(Core, core), tokenizer, core.limits, config, max_queued, on_step,
                      id_prefix=f"req-{secrets.token_hex(4)}-")  # unique in the shared core
         return client
 
-    def _init(self, core: Core, tokenizer, limits: RequestLimits, config: EngineConfig,
-              max_queued: int, on_step: Callable[[StepStats], None] | None,
+    def _init(self, core: Core, tokenizer: PreTrainedTokenizerBase, limits: RequestLimits,
+              config: EngineConfig, max_queued: int, on_step: Callable[[StepStats], None] | None,
               guided: GuidedDecoding | None = None, id_prefix: str = "req-") -> None:
         # The loop's output thread detokenizes with `tokenizer`; callers borrow copies.
         self._tokenizers = TokenizerPool(tokenizer)
@@ -114,7 +120,8 @@ class EngineClient:
         """The chat template renders `tools` itself (else the caller describes them)."""
         return self._template_takes_tools
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The model's chat template applied (with `tools` when given), ready to generate the
         assistant's turn."""
         self._check_chars(sum(len(str(m.get("content", ""))) for m in messages), "messages")
@@ -133,7 +140,8 @@ class EngineClient:
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of token ids, e.g. one logprob alternative's."""
         with self._tokenizers.borrow() as tokenizer:
-            return tokenizer.decode(list(token_ids))
+            text: str = tokenizer.decode(list(token_ids))
+        return text
 
     def _check_chars(self, chars: int, field: str) -> None:
         if chars > self.max_prompt_chars:

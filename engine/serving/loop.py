@@ -10,13 +10,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.core.engine_core import CoreMessage, CoreUpdate
 from engine.inputs import AbortRequest, AddRequest, GenerationRequest, StopCore
 from engine.outputs import Gauges, StepStats, TokenEvent
 from engine.sequence import FinishReason
 from engine.text.output_processor import OutputProcessor, StepOutput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ class RequestHandle:
                 next_check = time.monotonic() + poll
                 self.check_cancel()
             try:
-                event = self._events.get(timeout=poll)
+                event: TokenEvent | None = self._events.get(timeout=poll)
             except queue.Empty:
                 event = None if self.events_may_come() else self._dead_event()
             if event is None:
@@ -177,8 +180,8 @@ class EngineLoop:
     core as an abort: its sequence may compute one more token, which the output processor drops,
     and its KV is freed a step later."""
 
-    def __init__(self, core: Core, tokenizer, max_num_seqs: int, max_queued: int,
-                 on_step: Callable[[StepStats], None] | None = None,
+    def __init__(self, core: Core, tokenizer: PreTrainedTokenizerBase, max_num_seqs: int,
+                 max_queued: int, on_step: Callable[[StepStats], None] | None = None,
                  id_prefix: str = "req-") -> None:
         self.capacity = max_num_seqs + max_queued  # what runs at once plus job_queue_size
         self.output_processor = OutputProcessor(tokenizer)

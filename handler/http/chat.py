@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from engine import RequestError, TokenEvent
 from handler.http.schemas import HTTPError, bad_request, sampling_params
@@ -226,10 +227,10 @@ def chat_chunk(req: ChatRequest, model: str, event: TokenEvent | None, *, first:
         delta["tool_calls"] = tool_calls
     elif tool_calls is None and event is not None and event.text:
         delta["content"] = event.text
-    chunk = {"id": req.completion_id, "object": "chat.completion.chunk", "created": req.created,
-             "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": None,
-                          "finish_reason": None}]}
+    chunk: dict[str, Any] = {"id": req.completion_id, "object": "chat.completion.chunk",
+                             "created": req.created, "model": model,
+                             "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                          "finish_reason": None}]}
     if event is not None and req.logprobs and event.token_id is not None:
         chunk["choices"][0]["logprobs"] = _logprobs([event], decode)
     if event is not None and event.finished:

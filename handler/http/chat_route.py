@@ -4,6 +4,7 @@ tools), submit, answer whole or stream (n choices interleaved; a call as tool_ca
 from __future__ import annotations
 
 import json
+from typing import cast
 
 from flask import Response
 
@@ -63,7 +64,8 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
         line_of, streams = _chunks(state, chat, index, sse)
         trailer = (lambda _: usage_chunk(chat.completion_id, "chat.completion.chunk",
                                          chat.created, state.model_name,
-                                         [s.last for s in streams])
+                                         # each choice's final event: the group ended well
+                                         [cast(TokenEvent, s.last) for s in streams])
                    ) if chat.include_usage else None
         return stream_response(line_of, handle, state, sse=sse, done_line=sse, start=start,
                                trailer=trailer, coalesce=True, direct=True)

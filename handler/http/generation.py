@@ -59,8 +59,9 @@ def submit(state: ServerState, prompts: list[list[int]],
     with engine_errors():
         handles = state.engine.submit_all(requests)
     gone = client_gone_check(request.environ)
-    for handle in handles if gone is not None else ():
-        handle.cancel_when(gone)
+    if gone is not None:
+        for handle in handles:
+            handle.cancel_when(gone)
     return handles
 
 
@@ -210,7 +211,9 @@ def stream_response(line_of: LineOf, handle: RequestHandle | HandleGroup, state:
         finally:
             _end_stream(handle, state, written, start)
 
-    return Response(generate(), mimetype=SSE if sse else JSONLINES,
+    # werkzeug encodes each str item and passes bytes (_iter_encoded takes Iterable[str | bytes]);
+    # its constructor's annotation wants one kind or the other.
+    return Response(generate(), mimetype=SSE if sse else JSONLINES,  # type: ignore[arg-type]
                     headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache"})
 
 

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from reprlib import Repr
+from typing import Any
 
 from engine import MAX_TOP_LOGPROBS, RequestError, SamplingParams, TokenEvent
 from handler.http.structured import GUIDED_FIELDS, structured_spec
@@ -85,7 +86,7 @@ def parse_generate(body: dict, *, wants_stream: bool,
         raise bad_request(f"unknown top-level fields: {', '.join(map(_shown, unknown))}; "
                           f"supported: {', '.join(sorted(GENERATE_FIELDS))} (or messages "
                           "for chat)")
-    inputs = body.get("inputs")
+    inputs: Any = body.get("inputs")  # any JSON value
     is_list = isinstance(inputs, list)
     items = inputs if is_list else [inputs]
     if inputs is None:
@@ -227,8 +228,9 @@ def fill_probe(around: tuple[str, str], text: str) -> str:
 
 def details_dict(events: list[TokenEvent], *, with_tokens: bool) -> dict:
     last = events[-1]
-    details = {"finish_reason": last.finish_reason, "generated_tokens": last.num_output_tokens,
-               "inputs": last.num_prompt_tokens}
+    details: dict[str, Any] = {"finish_reason": last.finish_reason,
+                               "generated_tokens": last.num_output_tokens,
+                               "inputs": last.num_prompt_tokens}
     if with_tokens:
         details["tokens"] = [token_dict(e) for e in events if e.token_id is not None]
     return details

@@ -89,6 +89,7 @@ class ServerState:
     def _watch_engine(self) -> None:
         """An engine that dies while serving (its core process killed, a tensor-parallel rank
         lost) cannot come back: stop the server so that the platform replaces it."""
+        assert self.client is not None and self._on_engine_death is not None  # serve() set both
         while self.status == "ready":
             if not self.client.gauges().alive and self.status == "ready":
                 logger.error("the engine stopped while serving; the server exits so that it is "
@@ -110,6 +111,7 @@ class ServerState:
         """Serve through the shared core process once it has loaded the model."""
         started = time.monotonic()
         address = self._core_address
+        assert address is not None  # _load connects only to a shared core
         client = EngineClient.connect(self.config.engine, address.path, address.authkey,
                                       self.config.job_queue_size, self.metrics.on_step)
         try:  # model.py's formatters; a handler in it is refused
@@ -123,6 +125,7 @@ class ServerState:
                     time.monotonic() - started)
 
     def _started_marker(self) -> Path:
+        assert self._core_address is not None  # only a process sharing a core marks it
         return Path(self._core_address.path).parent / f"started-{os.getpid()}"
 
     def _all_workers_started(self) -> bool:

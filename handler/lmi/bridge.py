@@ -49,7 +49,7 @@ def row_response(row: Row) -> Response:
                         None)
     headers = {k: v for k, v in row.properties.items() if k.lower() not in _HOP_BY_HOP}
     if row.stream is not None:
-        body: object = _stream(row)
+        body: Iterator[bytes] | bytes | str = _stream(row)
     else:
         body = dict(row.items).get("data", row.items[0][1] if row.items else b"")
         if row.code >= 300 and not body:
@@ -79,6 +79,7 @@ def _stream(row: Row) -> Iterator[bytes]:
     """Chunked transfer: each item formatted (str/bytes kept, anything else one JSON line);
     an error mid-stream ends it with a JSON error line."""
     formatter = row.stream_formatter
+    assert row.stream is not None  # row_response streams only a row with a stream
     try:
         for item in row.stream:
             yield _as_bytes(formatter(item) if formatter is not None else item)

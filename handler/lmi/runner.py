@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from handler.lmi.rows import Row, split_rows
 
@@ -34,7 +35,8 @@ class Call:
 class HandlerRunner:
     """Owns the handler function; `workers` threads call it (DJL's maxWorkers)."""
 
-    def __init__(self, function: Callable, make_input: Callable[[], object], *,
+    # make_input: djl_python's Input class (handler/lmi/djl_compat), imported at run time
+    def __init__(self, function: Callable, make_input: Callable[[], Any], *,
                  batch_size: int = 1, max_batch_delay_s: float = 0.1, workers: int = 1,
                  queue_size: int = 1000) -> None:
         self._function = function
@@ -114,8 +116,8 @@ class HandlerRunner:
             return inputs
         inputs.properties["batch_size"] = str(len(batch))
         for i, item in enumerate(batch):
-            for key, value in item.properties.items():
-                inputs.properties[f"batch_{i:03d}.{key}"] = value
+            for key, text in item.properties.items():
+                inputs.properties[f"batch_{i:03d}.{key}"] = text
             for key, value in item.content:
                 inputs.content.add(f"batch_{i:03d}.{key}", value)
         return inputs

@@ -7,6 +7,7 @@ import logging
 import posixpath
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from engine import PICKLE_SUFFIXES
 
@@ -47,8 +48,8 @@ class S3Object:
     size: int
 
 
-def is_s3_uri(value: str | None) -> bool:
-    return bool(value) and value.strip().lower().startswith("s3://")
+def is_s3_uri(value: str | None) -> TypeGuard[str]:
+    return value is not None and value.strip().lower().startswith("s3://")
 
 
 def parse_s3_uri(value: str) -> S3Uri:

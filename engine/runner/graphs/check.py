@@ -50,8 +50,10 @@ def check_piecewise(runner: ModelRunner) -> float:
     assert fitting, f"no piecewise bucket fits the start-up check's {room} tokens of room"
     error = 0.0
     for batch in (small, _prompt_step(runner, fitting[-1])):
-        error = max(error, _against_eager(runner, batch, lambda b=batch: runner.piecewise_logits(
-            *runner.stage(b)[:2])))
+        def piecewise_step(b: ScheduledBatch = batch) -> torch.Tensor | None:
+            return runner.piecewise_logits(*runner.stage(b)[:2])
+
+        error = max(error, _against_eager(runner, batch, piecewise_step))
     assert piecewise.replayed or not piecewise.graphs, "the check replayed no captured piece"
     limit = LOGIT_TOLERANCE[runner.kv_cache.dtype]
     assert error <= limit, f"piecewise steps differ from eager by {error:.3g} (> {limit:g})"
@@ -65,7 +67,8 @@ def _synthetic_step(runner: ModelRunner, fits: Callable[[int, int], bool], max_s
     bs, page = runner.block_size, runner.page_size
     free = list(range(runner.scratch_slot // bs))[::-1]  # every block but the scratch one
     generator = torch.Generator().manual_seed(0)
-    seqs, scheduled = [], []
+    seqs: list[Sequence] = []
+    scheduled: list[int] = []
     tables = runner.layout.num_tables
     rows = [(5, 1)]  # (context, tokens this step); the chunk early, so that few sequences do
     if prompt_rows:
@@ -104,7 +107,7 @@ def _prompt_step(runner: ModelRunner, tokens: int) -> ScheduledBatch:
 
 
 def _against_eager(runner: ModelRunner, batch: ScheduledBatch,
-                   other: Callable[[], torch.Tensor]) -> float:
+                   other: Callable[[], torch.Tensor | None]) -> float:
     """Max |other() - eager| logit of `batch`'s sequences, each run over the same random KV
     (refilled before `other`, so that a chunk's last row must read what that pass itself wrote
     for the chunk's other tokens); zeroes the pool afterwards."""
@@ -119,6 +122,8 @@ def _against_eager(runner: ModelRunner, batch: ScheduledBatch,
             views, meta, _ = runner.stage(batch)
             eager = runner.eager_logits(views, meta, list(range(len(batch.seqs))))
             fill()
-            return (other() - eager).abs().max().item()
+            logits = other()
+            assert logits is not None and eager is not None  # every row of `batch` samples
+            return (logits - eager).abs().max().item()
     finally:
         cache.zero_()
