@@ -230,3 +230,14 @@ def test_importing_the_engine_and_the_config_does_not_import_torch() -> None:
     code = ("import sys, engine, handler.config.serving_config, handler.model_source.store; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_mypy_is_strict_on_every_module_of_the_public_face() -> None:
+    """pyproject.toml's strict override lists the modules engine/__init__.py re-exports from."""
+    import tomllib
+
+    overrides = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["overrides"]
+    strict = next(set(o["module"]) for o in overrides if o.get("disallow_untyped_defs"))
+    face = {name for name in imported_names(ROOT / "engine" / "__init__.py")
+            if name in our_modules()} | {"engine"}
+    assert face <= strict
