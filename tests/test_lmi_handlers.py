@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import requests
 
 from tests.models_fixtures import build_tiny_model
 from tests.server_harness import running_server
+from tests.test_reliability_server import DISCONNECTS, send_and_hang_up, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +115,75 @@ def test_wrapper_handler_uses_the_engine_with_its_own_processing(tmp_path) -> No
                             json={"inputs": "x", "parameters": {"top_p": 7}})
         assert bad.status_code == 424 and "top_p" in bad.json()["error"]
         assert "engine is not loaded" in srv.log()  # by the server: the handler loads it
+
+
+def calls_started(folder: Path) -> list[str]:
+    """The tags of the slow handler's calls that started, in order."""
+    log = folder / "calls.log"
+    return log.read_text().split() if log.exists() else []
+
+
+def test_sigterm_drains_custom_handler_calls_and_answers_503(tmp_path) -> None:
+    """Issue 56: during the drain /ping timed out and a new request hung, then got a reset
+    (the drain did not wait for handler calls, so gunicorn stopped accepting at once). Now:
+    both get a prompt 503; a call that ends within option.drain_timeout is answered, one still
+    running then gets a 503 error; the server exits 0."""
+    folder = handler_dir(tmp_path, "slow")
+    with running_server(tmp_path, folder, "maxWorkers=2\noption.drain_timeout=4\n") as srv, \
+            ThreadPoolExecutor(2) as pool:
+        quick, stuck = (pool.submit(requests.post, f"{srv.url}/invocations", timeout=60,
+                                    json={"sleep": seconds, "tag": tag})
+                        for seconds, tag in ((0.5, "quick"), (60, "stuck")))
+        wait_for(lambda: len(calls_started(folder)) == 2, "both calls run")
+        srv.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: requests.get(f"{srv.url}/ping", timeout=5).status_code == 503,
+                 "/ping turns 503")
+        refused = requests.post(f"{srv.url}/invocations", json={"sleep": 0, "tag": "new"},
+                                timeout=5)
+        assert refused.status_code == 503 and refused.json()["type"] == "ServiceUnavailable"
+        assert quick.result().status_code == 200 and quick.result().text == "quick"
+        cut = stuck.result()
+        assert cut.status_code == 503 and "shutting down" in cut.json()["message"]
+        assert srv.process.wait(timeout=30) == 0
+    assert "aborting 1 custom handler calls still in flight after 4 s" in srv.log()
+    assert sorted(calls_started(folder)) == ["quick", "stuck"]
+
+
+def test_a_queued_custom_handler_call_whose_client_left_never_starts(tmp_path) -> None:
+    """Issue 56: abandoned calls still ran, and a live request waited behind them. A call
+    queued behind a running one, whose client hangs up, is dropped before it starts."""
+    folder = handler_dir(tmp_path, "slow")
+    with running_server(tmp_path, folder, "") as srv, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(requests.post, f"{srv.url}/invocations", timeout=60,
+                              json={"sleep": 1.5, "tag": "running"})
+        wait_for(lambda: calls_started(folder) == ["running"], "the first call runs")
+        send_and_hang_up(srv.url, {"sleep": 1.5, "tag": "abandoned"}).close()
+        live = requests.post(f"{srv.url}/invocations", json={"sleep": 0, "tag": "live"},
+                             timeout=60)
+        assert live.status_code == 200 and live.text == "live"
+        assert running.result().status_code == 200
+        assert calls_started(folder) == ["running", "live"]
+        wait_for(lambda: srv.metric(DISCONNECTS) == 1, "the abandoned call is counted")
+        assert srv.metric('batchyard_requests_total{status="499"}') == 1
+
+
+def test_a_custom_handler_stream_is_drained_then_cut_off_with_an_error() -> None:
+    """A stream being written counts as in flight for the drain; once option.drain_timeout is
+    over it stops before its next item, and the client reads a 503 line, not a silent cut."""
+    from handler.lmi.bridge import row_response
+    from handler.lmi.runner import HandlerRunner
+    from handler.lmi.shim import ensure_djl_python
+
+    djl = ensure_djl_python()
+    runner = HandlerRunner(lambda inputs: djl.Output().add_stream_content(
+        iter(["a\n", "b\n", "c\n"])), djl.Input)
+    runner.start()
+    row = runner.call({}, [("data", b"x")], timeout=30)
+    assert row is not None
+    body = row_response(row).response
+    assert next(iter(body)) == b"a\n"
+    runner.shutdown(grace_seconds=0.2)  # waits for the stream, then cuts it
+    rest = [json.loads(line) for line in body]
+    assert rest == [{"code": 503, "type": "ServiceUnavailable",
+                     "message": "request aborted: the server is shutting down"}]
+    runner.shutdown(grace_seconds=0)  # the stream has ended: nothing left in flight

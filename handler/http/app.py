@@ -14,12 +14,12 @@ from handler.http import sagemaker_runtime
 from handler.http.chat_route import serve_chat
 from handler.http.completions import models, openai_error
 from handler.http.generate_route import serve_generate
-from handler.http.generation import JSONLINES, SSE
+from handler.http.generation import CLIENT_GONE, JSONLINES, SSE, client_gone_check
 from handler.http.openai_routes import serve_completions
 from handler.http.schemas import HTTPError, bad_request
 from handler.http.state import ServerState
 from handler.lmi.bridge import request_content, request_properties, row_response
-from handler.lmi.runner import RunnerFull
+from handler.lmi.runner import CallAborted, RunnerFull
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +126,22 @@ def _serve(state: ServerState, *, chat_only: bool, accept: str | None = None,
 
 
 def serve_custom(state: ServerState) -> Response:
-    """The model folder's handler answers, as DJL Serving would run it."""
+    """The model folder's handler answers, as DJL Serving would run it. A call whose client
+    leaves before it starts is dropped (499); one the drain cuts off answers 503."""
     assert state.runner is not None
     try:
         row = state.runner.call(request_properties(request), request_content(request),
-                                timeout=state.config.predict_timeout)
+                                timeout=state.config.predict_timeout,
+                                gone=client_gone_check(request.environ))
     except RunnerFull as err:
         raise HTTPError(503, "QueueFull", f"too many requests in flight: {err}; raise "
                         "job_queue_size or retry later", {"Retry-After": "1"}) from err
+    except CallAborted as err:
+        state.metrics.on_abort(err.reason)
+        if err.reason == "shutdown":
+            raise HTTPError(503, "ServiceUnavailable",
+                            "request aborted: the server is shutting down") from err
+        raise HTTPError(CLIENT_GONE.code, CLIENT_GONE.type, CLIENT_GONE.message) from err
     if row is None:
         raise HTTPError(504, "TimeoutError", "request exceeded option.predict_timeout")
     response = row_response(row)

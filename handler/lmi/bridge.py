@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from flask import Request, Response
 
 from handler.lmi.rows import Row
+from handler.lmi.runner import CallAborted
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ def row_response(row: Row) -> Response:
                         content_type=content_type or _guess(body))
     if row.finalize is not None and row.stream is None:  # a stream runs it when it ends
         response.call_on_close(_safe(row.finalize))
+    close = getattr(row.stream, "close", None)
+    if callable(close):  # also when the stream was never read (its drain accounting)
+        response.call_on_close(_safe(close))
     return response
 
 
@@ -77,12 +81,15 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 def _stream(row: Row) -> Iterator[bytes]:
     """Chunked transfer: each item formatted (str/bytes kept, anything else one JSON line);
-    an error mid-stream ends it with a JSON error line."""
+    an error mid-stream ends it with a JSON error line, the drain's end with a 503 one."""
     formatter = row.stream_formatter
     assert row.stream is not None  # row_response streams only a row with a stream
     try:
         for item in row.stream:
             yield _as_bytes(formatter(item) if formatter is not None else item)
+    except CallAborted:
+        yield _as_bytes({"code": 503, "type": "ServiceUnavailable",
+                         "message": "request aborted: the server is shutting down"})
     except Exception as err:  # the status line has gone out: report in the body
         logger.warning("handler stream raised %s: %s", type(err).__name__, err)
         yield _as_bytes({"code": 424, "message": "invoke handler failure", "error": str(err)})
