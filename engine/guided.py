@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
+from engine.grammar_ends import endless_rules
 from engine.sampling_params import RequestError
 
 if TYPE_CHECKING:
@@ -34,6 +35,11 @@ GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar: bounds the compile time
 MAX_CHOICES = 256
 COMPILED_CACHE_SIZE = 64
+DRY_RUN_TOKENS = 8  # how far check() follows a grammar before serving it
+_CANNOT_END = "matches no finite string"  # the start of a dry-run failure
+_ENDLESS = {  # why the parser blows up, by kind
+    "grammar": "does every rule have an alternative that ends (unlike `start: \"a\" start`)?",
+    "json": "does the schema require itself (a required property whose $ref leads back)?"}
 # JSON as json.dumps writes it: ", " and ": ", no free whitespace. Free whitespace lets a model
 # loop on newlines until max_tokens (a known failure of any-whitespace JSON grammars).
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
@@ -90,6 +96,12 @@ def check_spec(spec: GuidedSpec) -> None:
     if error:
         first = error.strip().splitlines()[0][:300]
         raise RequestError(f"{spec.field} does not compile: {first}", spec.field)
+    if spec.kind == "grammar" and (endless := endless_rules(spec.value)):
+        raise RequestError(
+            f"{spec.field} {_CANNOT_END}: rule{'s' * (len(endless) > 1)} "
+            f"{', '.join(endless[:5])} cannot end (each alternative leads back into "
+            f"{'them' if len(endless) > 1 else 'itself'}); give one an alternative that does, "
+            f"e.g. `x: \"a\" x | \"a\"`", spec.field)
 
 
 def _check_choices(spec: GuidedSpec) -> None:
@@ -149,14 +161,46 @@ class GuidedDecoding:
         with self._lock:
             error = self._checked.get(spec)
         if error is None:
-            error = llguidance.LLMatcher.validate_grammar(grammar_text(spec), tokenizer)
+            error = (llguidance.LLMatcher.validate_grammar(grammar_text(spec), tokenizer)
+                     or self._dry_run(spec, tokenizer))
             with self._lock:
                 self._checked[spec] = error
                 if len(self._checked) > 4 * COMPILED_CACHE_SIZE:
                     self._checked.popitem(last=False)
+        if error.startswith(_CANNOT_END):
+            raise RequestError(f"{spec.field} {error}", spec.field)
         if error:
             first = error.strip().splitlines()[0][:300]
             raise RequestError(f"{spec.field} does not compile: {first}", spec.field)
+
+    def _dry_run(self, spec: GuidedSpec, tokenizer: llguidance.LLTokenizer) -> str:
+        """Follow the grammar for a few tokens (the lowest allowed id each time, never EOS):
+        "" when it ends or gets that far cleanly, else why it failed. Compiling cannot tell
+        a grammar with no finite string (`start: "a" start`, a schema that requires itself)
+        or an empty regex; their first masks do (the parser blows up, or only EOS is
+        allowed), so they are refused here instead of failing the request mid-generation."""
+        try:
+            matcher = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
+        except Exception as err:  # noqa: BLE001 - API misuse only; generation decides then
+            logger.warning("guided decoding: no dry run for %s (%s)", spec.field, err)
+            return ""
+        eos = sum(1 << t for t in self._eos or () if t < tokenizer.vocab_size)
+        for _ in range(DRY_RUN_TOKENS):
+            if matcher.is_error() or matcher.is_accepting() or matcher.is_stopped():
+                break
+            allowed = int.from_bytes(matcher.compute_bitmask(), "little") & ~eos
+            if matcher.is_error():
+                break
+            if not allowed:
+                return f"{_CANNOT_END}: no string matches it"
+            matcher.consume_token((allowed & -allowed).bit_length() - 1)
+        if not matcher.is_error():
+            return ""
+        first = matcher.get_error().strip().splitlines()[0][:200]
+        if "Too many items" in first:  # Earley items pile up: a recursion without an end
+            hint = _ENDLESS.get(spec.kind, "is it recursive with no way out?")
+            return f"{_CANNOT_END}: {hint} ({first})"
+        return f"{_CANNOT_END}: no string matches it ({first})"
 
     def constraint(self, spec: GuidedSpec) -> Constraint:
         """A fresh grammar state for one sequence (check `.error` before using it); raises

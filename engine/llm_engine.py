@@ -183,9 +183,10 @@ class LLMEngine:
             error = str(err)
         if error is not None:
             logger.warning("request %s: its grammar failed: %s", request_id, error[:300])
-            self.scheduler.finish(seq, FinishReason.ERROR)
-            self._ready.append(self._output(self._requests[seq.seq_id], None,
-                                            error="the grammar failed to compile"))
+            self.scheduler.finish(seq, FinishReason.INVALID)
+            first = error.strip().splitlines()[0][:300] if error.strip() else "unknown error"
+            self._ready.append(self._output(self._requests[seq.seq_id], None, error=(
+                f"{seq.params.guided.field} does not compile for this model: {first}")))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None) -> StepOutput | None:
@@ -358,11 +359,25 @@ class LLMEngine:
         if reason is not None:
             del self._requests[seq.seq_id]
             del self._ids[req.request_id]
+            if error is None and seq.finish_reason is FinishReason.INVALID:
+                error = _grammar_failure(req.request_id, seq)
         if sample is None:
             return StepOutput(req.request_id, None, None, seq.num_prompt_tokens,
                               seq.num_known_output_tokens, reason, error)
         return StepOutput(req.request_id, sample.token_id, sample.logprob, seq.num_prompt_tokens,
                           seq.num_known_output_tokens, reason, error, sample.top_logprobs)
+
+
+def _grammar_failure(request_id: str, seq: Sequence) -> str:
+    """Why a sequence's grammar ended it while generating (check() refuses what it can see
+    before; a path it did not follow may still blow up the parser), logged: a 4xx's message."""
+    why = (seq.constraint.error if seq.constraint is not None else None) or "unknown error"
+    first = why.strip().splitlines()[0][:300] if why.strip() else "unknown error"
+    field = seq.params.guided.field if seq.params.guided is not None else "guided"
+    logger.warning("request %s: its grammar (%s) failed after %d tokens: %s", request_id,
+                   field, seq.num_known_output_tokens, first)
+    return (f"{field} failed while generating after {seq.num_known_output_tokens} tokens: "
+            f"{first}")
 
 
 def close_runner(runner: ModelRunner) -> None:

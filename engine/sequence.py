@@ -25,6 +25,7 @@ class FinishReason(StrEnum):
     ABORT = "abort"
     TIMEOUT = "timeout"
     ERROR = "error"
+    INVALID = "invalid"  # the request's own input (its grammar) failed while generating: a 4xx
 
 
 class Constraint(Protocol):
@@ -169,7 +170,7 @@ class Sequence:
             return FinishReason.EOS
         if self.constraint is not None:
             if self.constraint.error is not None:
-                return FinishReason.ERROR
+                return FinishReason.INVALID
             if self.constraint.finished:  # complete: only EOS could follow; spare that step
                 return FinishReason.EOS
         return None

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
 from engine import RequestError, SamplingParams
+from engine.grammar_ends import endless_rules
 from engine.guided import GuidedSpec, check_spec, grammar_text
 from tests.engine_harness import Req, drive, make_engine
 from tests.models_fixtures import build_tiny_model
@@ -135,7 +136,30 @@ def test_a_grammar_the_tokenizer_cannot_serve_ends_its_request_only(tiny) -> Non
     while engine.has_unfinished():
         events += engine.step()
     ends = {e.request_id: e.finish_reason for e in events if e.finished}
-    assert ends == {"bad": "error", "good": "length"}
+    assert ends == {"bad": "invalid", "good": "length"}  # invalid: a 400, not a 500
+    [error] = [e.error for e in events if e.request_id == "bad"]
+    assert error.startswith("guided does not compile for this model: ") and "no_such" in error
+
+
+@pytest.mark.parametrize(("grammar", "endless"), [
+    ('start: "a" start', ["start"]), ("start: a\na: b\nb: a", ["a", "b", "start"]),
+    ('start: ("a")* "b" x\nx: "c" x', ["start", "x"]), ('start: x~2\nx: "a" x', ["start", "x"]),
+    ('start: x\nx: "a" x\n   | "b" x', ["start", "x"]), ('start: "a" start -> loop', ["start"]),
+    ('start: x\nx: "a" x | "b"', []), ('start: "a" | start start', []), ('start: "a"+ "!"', []),
+    ('start: [x] "y"\nx: x "a"', []), ('start: x~0..3\nx: "a" x', []),
+    ('?start: e\ne: t ("+" t)*\nt: N | "(" e ")"\nN: /[0-9]+/', []),
+    ('// c\nstart: text\ntext[lazy]: /.*/ "end" | %json {\n "type": "object"\n}', []),
+    ("start: x{1}", None),  # beyond the check: no verdict
+])
+def test_rules_that_cannot_end_are_found(grammar, endless) -> None:
+    assert endless_rules(grammar) == endless
+
+
+def test_a_grammar_with_no_finite_string_is_refused_at_the_boundary() -> None:
+    with pytest.raises(RequestError, match="guided_grammar matches no finite string: rule "
+                       "start cannot end") as err:
+        check_spec(GuidedSpec("grammar", 'start: "a" start', "guided_grammar"))
+    assert err.value.field == "guided_grammar"
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -151,10 +151,99 @@ def test_sizes_and_types() -> None:
 def test_unknown_keys_warn_and_lmi_no_op_keys_say_why(caplog) -> None:
     with caplog.at_level(logging.INFO):
         resolve("engine=Python\noption.entryPoint=djl_python.huggingface\noption.flux=1")
-    assert any("unknown key option.flux" in r.message and r.levelno == logging.WARNING
-               for r in caplog.records)
+    assert any("unknown key" in r.message and "option.flux [serving.properties line 3]"
+               in r.message and r.levelno == logging.WARNING for r in caplog.records)
     assert any("engine=Python" in r.message and "has no effect" in r.message
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("typo", [
+    "option.max_rolling_batchsize", "option.max_model_length", "option.tensor_parralel_degree",
+    "option.enable_prefix_cache", "option.gpu_memory_utilisation", "option.rolling_bacth",
+    "option.trust_remote_cod", "option.outputformatter", "option.max_rolling_batch_prefil_tokens"])
+def test_a_near_miss_key_is_refused_with_its_suggestion(typo: str) -> None:
+    with pytest.raises(ConfigError, match=r"did you mean option\.\w+\?") as err:
+        resolve(f"{typo}=8")
+    assert typo in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_near_miss_key_names_the_key_it_meant() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key option\.max_rolling_batchsize='8' \(from "
+                       r"serving.properties line 1\): did you mean "
+                       r"option\.max_rolling_batch_size\?"):
+        resolve("option.max_rolling_batchsize=8")
+    with pytest.raises(ConfigError, match=r"env OPTION_MAX_ROLLING_BATCHSIZE.*did you mean "
+                       r"OPTION_MAX_ROLLING_BATCH_SIZE \(option\.max_rolling_batch_size\)\?"):
+        resolve(env={"OPTION_MAX_ROLLING_BATCHSIZE": "8"})
+
+
+# Keys of LMI's other backends (vLLM, lmi-dist, TensorRT-LLM, Neuron, DeepSpeed, HF accelerate)
+# and of DJL Serving, from docs/reference: an LMI user's file may carry any of them.
+OTHER_BACKENDS = (
+    "option.max_input_len", "option.max_output_len", "option.max_num_tokens",
+    "option.max_num_seqs", "option.max_num_batched_tokens", "option.swap_space",
+    "option.kv_cache_dtype", "option.quantization", "option.tokenizer_mode",
+    "option.load_format", "option.max_seq_len_to_capture", "option.disable_custom_all_reduce",
+    "option.pipeline_parallel_size", "option.tensor_parallel_size", "option.max_logprobs",
+    "option.code_revision", "option.tokenizer_revision", "option.cpu_offload_gb",
+    "option.preemption_mode", "option.num_gpu_blocks_override", "option.speculative_model",
+    "option.num_speculative_tokens", "option.speculative_length", "option.draft_model_id",
+    "option.served_model_name", "option.tokenizer", "option.max_parallel_loading_workers",
+    "option.batch_scheduler_policy", "option.kv_cache_free_gpu_mem_fraction",
+    "option.enable_kv_cache_reuse", "option.n_positions", "option.neuron_optimize_level",
+    "option.context_length_estimate", "option.load_in_8bit", "option.load_in_4bit",
+    "option.low_cpu_mem_usage", "option.rolling_batch_strategy", "option.checkpoint",
+    "option.save_mp_checkpoint_path", "option.max_tokens", "option.triangular_masking",
+    "option.return_tuple", "option.training_mp_size", "option.disable_flash_attn",
+    "option.chat_template", "option.enable_auto_tool_choice", "option.tool_call_parser",
+    "option.reasoning_parser", "option.limit_mm_per_prompt", "option.is_peft_model",
+    "option.max_dynamic_batch_size", "option.amp_dtype", "option.enable_cuda_graph",
+    "option.disable_sliding_window", "option.group_query_attention", "option.engine_args",
+    "option.use_custom_all_reduce", "option.hf_token", "option.device_id", "option.unroll",
+    "option.compiled_graph_path", "option.load_split_model", "option.fuse_qkv",
+    "option.sequence_parallel", "option.partition_schema", "option.enable_expert_parallel",
+    "option.max_batch_size", "option.kv_cache_memory_bytes", "option.multi_node",
+    "option.distributed_executor_backend", "option.guided_decoding_backend",
+    "gpu.minWorkers", "gpu.maxWorkers", "cpu.maxWorkers", "max_dynamic_batch_size",
+    "required_memory_mb", "reserved_memory_mb", "log_model_metric", "metrics_aggregation",
+    "retry_threshold", "max_workers", "min_workers",
+)
+
+
+def test_other_backends_keys_are_accepted_and_listed_on_one_line(caplog) -> None:
+    text = "\n".join(f"{k}=1" for k in OTHER_BACKENDS)
+    with caplog.at_level(logging.INFO):
+        resolve(text)
+    lines = [r for r in caplog.records if "unknown key" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    for key in OTHER_BACKENDS:
+        assert f"{key} [serving.properties line" in lines[0].getMessage(), key
+    assert "=1" not in lines[0].getMessage()  # no values: a key may hold a secret
+
+
+def test_lmi_reference_keys_are_never_refused() -> None:
+    reference = Path("/work/shared/reference/lmi-conventions.md")
+    if not reference.exists():
+        pytest.skip("the LMI reference is not on this machine")
+    keys = set(re.findall(r"option\.[A-Za-z_0-9]+", reference.read_text()))
+    assert len(keys) > 20
+    resolve("\n".join(f"{k}=1" for k in keys if k not in NON_NUMERIC))
+    for key in keys:  # each alone, with a value the key accepts
+        resolve(f"{key}={NON_NUMERIC.get(key, '1')}")
+
+
+# Known keys whose value must not be `1` in the test above.
+NON_NUMERIC = {"option.rolling_batch": "scheduler", "option.dtype": "fp16",
+               "option.entryPoint": "djl_python.huggingface", "option.handler": "handle",
+               "option.output_formatter": "json", "option.task": "text-generation",
+               "option.device_map": "auto", "option.quantize": "none",
+               "option.enable_streaming": "false", "option.model_id": "/m",
+               "option.trust_remote_code": "false", "option.paged_attention": "true",
+               "option.enforce_eager": "false", "option.enable_chunked_prefill": "true",
+               "option.enable_prefix_caching": "false", "option.tgi_compat": "false",
+               "option.mpi_mode": "true", "option.async_mode": "true",
+               "option.parallel_loading": "true", "option.max_model_len": "64",
+               "option.gpu_memory_utilization": "0.9"}
 
 
 def test_describe_lists_every_value_and_source() -> None:

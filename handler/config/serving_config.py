@@ -3,6 +3,7 @@ strategy chosen from them, and the one start-up line that says what was resolved
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ def select_strategy(values: Mapping[str, Any], architectures: list[str]) -> tupl
 def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
                          architectures: list[str]) -> ServingConfig:
     """Validate every setting and pick the strategy; raises ConfigError on the first bad one."""
-    _warn_unknown(settings)
+    _check_unknown(settings)
     apply_key_policy(settings)
     values = read_keys(Reader(settings, model_dir))
     strategy, why = select_strategy(values, architectures)
@@ -109,7 +110,37 @@ def _shown(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _warn_unknown(settings: Mapping[str, Setting]) -> None:
-    for key, s in sorted(settings.items()):
-        if key not in BY_NAME and key not in POLICY_KEYS:
-            logger.warning("unknown key %s=%s (%s) is ignored", key, s.value, s.source)
+# An unknown option.* key at least this close to a known one (difflib's ratio, case ignored) is
+# a typo, refused; any other is another backend's key, ignored. The closest legitimate ones
+# (vLLM's speculative_model 0.85, tensor_parallel_size 0.81) stay below it, the typos of
+# tests/test_properties.py (max_rolling_batchsize 0.98, max_model_length 0.90) above it.
+NEAR_MISS = 0.88
+_KNOWN = {name.removeprefix("option.").lower(): name for name in (*BY_NAME, *POLICY_KEYS)}
+
+
+def near_miss(key: str) -> str | None:
+    """The known key an unknown `option.*` key is a misspelling of, else None."""
+    if not key.startswith("option."):
+        return None  # DJL's bare server keys (gpu.maxWorkers, max_workers, ...) are many
+    close = difflib.get_close_matches(key.removeprefix("option.").lower(), _KNOWN, n=1,
+                                      cutoff=NEAR_MISS)
+    return _KNOWN[close[0]] if close else None
+
+
+def _check_unknown(settings: Mapping[str, Setting]) -> None:
+    """A near miss of a known key fails start-up with the suggestion; every other unknown key
+    (LMI files carry other backends' keys) is listed on one start-up line."""
+    unknown = [(k, s) for k, s in sorted(settings.items())
+               if k not in BY_NAME and k not in POLICY_KEYS]
+    for key, s in unknown:
+        meant = near_miss(key)
+        if meant is not None:
+            if s.source.startswith("env ") and meant.startswith("option."):
+                meant = f"OPTION_{meant.removeprefix('option.').upper()} ({meant})"
+            raise ConfigError(f"unknown key {key}={s.value!r} (from {s.source}): did you mean "
+                              f"{meant}?")
+    if unknown:
+        # keys and sources only: another backend's key may hold a secret (option.hf_token)
+        logger.warning("ignoring %d unknown key(s) that batchyard does not use (other "
+                       "backends' options, or misspelt): %s", len(unknown),
+                       ", ".join(f"{k} [{s.source}]" for k, s in unknown))
