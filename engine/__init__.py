@@ -16,6 +16,7 @@ from engine.config import (
     MODEL_IMPLS,
     QUANTIZATIONS,
     EngineConfig,
+    is_config_error,
 )
 from engine.core.server import CoreAddress, CoreServer
 from engine.guided import GuidedSpec, check_spec
@@ -39,5 +40,5 @@ __all__ = [
     "FinishReason", "Gauges",
     "GenerationRequest", "GuidedSpec", "LLMEngine", "ModelFileError", "QueueFullError",
     "RequestError", "RequestHandle", "SamplingParams", "StepStats", "TokenEvent", "check_spec",
-    "freeze_start_up_heap", "read_json_object",
+    "freeze_start_up_heap", "is_config_error", "read_json_object",
 ]

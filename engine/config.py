@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 BATCHING_STRATEGIES = ("none", "dynamic", "continuous", "paged")
@@ -123,6 +124,16 @@ class EngineConfig:
     def is_contiguous(self) -> bool:
         """Contiguous strategies reserve one max_model_len block per sequence."""
         return self.batching != "paged"
+
+
+# A configuration error: ValueError("invalid <key>=<value>: <what is allowed>"). Its one line says
+# all; a traceback would only bury it (start-up logs it so, in every process).
+_CONFIG_ERROR = re.compile(r"invalid [\w.]+=")
+
+
+def is_config_error(err: BaseException) -> bool:
+    """Whether `err` is a configuration error (`invalid <key>=<value>: ...`)."""
+    return isinstance(err, ValueError) and _CONFIG_ERROR.match(str(err)) is not None
 
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from engine.text.tokenizer_pool import MAX_CHARS_PER_TOKEN, POOL_SIZE
+from engine.text.tokenizer_pool import MAX_CHARS_PER_TOKEN, POOL_SIZE, TAIL_SLACK_TOKENS
 from tests.app_harness import served_app
 from tests.engine_harness import MAX_MODEL_LEN
 from tests.models_fixtures import build_tiny_model
@@ -39,6 +39,31 @@ def test_truncate_keeps_a_long_prompt_servable(served) -> None:
     body = {"inputs": "a b " * LIMIT, "parameters": {"truncate": 8, "max_new_tokens": 2}}
     r = client.post("/invocations", json=body)
     assert r.status_code == 200, r.get_data(as_text=True)
+
+
+def test_a_huge_truncate_prompt_tokenizes_only_its_tail(served, monkeypatch) -> None:
+    """A few MB with truncate is not seconds of tokenizing that a small request beside it
+    waits behind: only a window of its tail reaches the tokenizer, whatever its size."""
+    client, state = served
+    pool = state.engine._tokenizers
+    lengths: list[int] = []
+    encode = pool._encode
+    monkeypatch.setattr(pool, "_encode", lambda tok, text, add: lengths.append(len(text))
+                        or encode(tok, text, add))
+    huge = "The capital of France is Paris. " * 100_000  # 3.2 MB
+    r = client.post("/invocations", json={"inputs": huge, "parameters": {
+        "truncate": 8, "max_new_tokens": 2, "details": True, "decoder_input_details": True}})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    assert 0 < sum(lengths) <= (8 + TAIL_SLACK_TOKENS) * MAX_CHARS_PER_TOKEN * 2
+    assert len(r.get_json()["details"]["prefill"]) == 8
+    lengths.clear()
+    small = client.post("/invocations", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+    assert small.status_code == 200 and lengths == [2]
+    # a truncate past max_model_len still tokenizes a bounded tail, and is refused by name
+    r = client.post("/invocations", json={"inputs": huge, "parameters": {
+        "truncate": 10**6, "max_new_tokens": 2}})
+    assert r.status_code == 400 and "truncate=1000000" in r.get_json()["message"]
+    assert sum(lengths) <= (MAX_MODEL_LEN + 1 + TAIL_SLACK_TOKENS) * MAX_CHARS_PER_TOKEN * 3
 
 
 def test_tokenizers_busy_with_long_prompts_leave_one_for_a_short_one(served) -> None:

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import copy
 import logging
+import random
 from pathlib import Path
 
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from engine.text.tokenizer_pool import TokenizerPool, encodes_alike
-from tests.models_fixtures import build_tokenizer
+from engine.text.tokenizer_pool import (
+    MAX_CHARS_PER_TOKEN,
+    TAIL_SLACK_TOKENS,
+    TokenizerPool,
+    encodes_alike,
+)
+from tests.models_fixtures import CORPUS, build_tokenizer
 
 TEXTS = ["", "hello world", "The capital of France is", " leading and trailing ",
          "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
@@ -78,3 +84,50 @@ def test_what_the_probe_cannot_vouch_for_goes_through_encode(tokenizer, odd, cap
     assert not pool.direct and not encodes_alike(wrapped)
     assert "transformers' encode" in caplog.text
     assert pool.encode("hello world") == wrapped.encode("hello world")
+
+
+def _ordinary_text(seed: int, words: int) -> str:
+    """Sentences of the fixture corpus's words (multi-byte ones too), shuffled."""
+    rng = random.Random(seed)
+    vocab = " ".join(CORPUS).split() + ["\n", "\n\n", "  ", "\t"]
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def _spied(pool: TokenizerPool) -> list[int]:
+    """The lengths of the texts `pool` hands to its tokenizer from now on."""
+    lengths: list[int] = []
+    inner = pool._encode
+
+    def spy(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+        lengths.append(len(text))
+        return inner(tokenizer, text, add_special_tokens)
+
+    pool._encode = spy  # type: ignore[method-assign]
+    return lengths
+
+
+@pytest.mark.parametrize("odd", [None, _Renumbered])  # direct, and via encode with a BOS-like 0
+def test_a_tail_encodes_as_the_whole_texts_last_tokens(tokenizer, odd) -> None:
+    """TGI's truncate: the last `keep` ids from tokenizing only a tail window equal the whole
+    text's last `keep`, long texts and short ones (a text shorter than its window is whole)."""
+    wrapped = tokenizer if odd is None else odd(tokenizer)
+    pool = TokenizerPool(wrapped)
+    for seed, words in enumerate([3, 40, 400, 3000]):
+        text = _ordinary_text(seed, words)
+        whole = wrapped.encode(text)
+        for keep in (1, 2, 7, 64, 500):
+            assert pool.encode_tail(text, keep) == whole[-keep:], (seed, keep)
+
+
+def test_a_huge_texts_tail_tokenizes_a_bounded_window(tokenizer) -> None:
+    pool = TokenizerPool(tokenizer)
+    text = _ordinary_text(7, 600_000)  # a few MB
+    lengths = _spied(pool)
+    ids = pool.encode_tail(text, 64)
+    bound = (64 + TAIL_SLACK_TOKENS) * MAX_CHARS_PER_TOKEN * 2
+    assert len(ids) == 64 and 0 < sum(lengths) <= bound < len(text) // 100
+    assert ids == tokenizer.encode(text[-bound:])[-64:]
+    # text the tokenizer packs densely still stops at MAX_CHARS_PER_TOKEN characters a token
+    lengths.clear()
+    assert pool.encode_tail("\u00e9" * 2_000_000, 4)
+    assert sum(lengths) <= bound

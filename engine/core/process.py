@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, is_config_error
 from engine.core.engine_core import CoreMessage, CoreUpdate, EngineCore, prepare_to_serve
 from engine.inputs import RequestLimits, StopCore
 from engine.outputs import Gauges
@@ -45,9 +45,19 @@ class FrontReading:
 
 @dataclass(frozen=True)
 class CoreFailed:
-    """The core could not load (the traceback is in the core's log)."""
+    """The core could not load (the traceback is in the core's log; a configuration error
+    has none: the front logs its one line)."""
 
     message: str
+    config_error: bool = False
+
+    @classmethod
+    def of(cls, err: Exception) -> CoreFailed:
+        """`err` logged here with its traceback, unless it is a configuration error."""
+        if is_config_error(err):
+            return cls(str(err), config_error=True)
+        logger.exception("engine core: model loading failed")
+        return cls(f"{type(err).__name__}: {err}")
 
 
 def send_message(conn: Connection, message: object) -> None:
@@ -103,6 +113,8 @@ class _CoreEnd(ABC):
         """Block until the core has loaded its model; raises RuntimeError if it could not."""
         first = self.receive()
         if not isinstance(first, CoreReady):
+            if isinstance(first, CoreFailed) and first.config_error:
+                raise ValueError(first.message)  # "invalid <key>=...": one line says it all
             reason = first.message if isinstance(first, CoreFailed) else self._why_gone()
             raise RuntimeError(f"the engine core process did not start: {reason}")
         self.limits, self.initial_gauges = first.limits, first.gauges
@@ -249,8 +261,7 @@ def _core_main(config: EngineConfig, inbox: Connection, outbox: Connection,
     try:
         engine = LLMEngine.from_config(config)
     except Exception as err:
-        logger.exception("engine core: model loading failed")
-        pipes.publish(CoreFailed(f"{type(err).__name__}: {err}"))
+        pipes.publish(CoreFailed.of(err))
         return
     prepare_to_serve(engine)
     pipes.publish(CoreReady(engine.limits, engine.gauges()))

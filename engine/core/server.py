@@ -140,8 +140,7 @@ def main() -> None:
             setup.prepare()
         engine = LLMEngine.from_config(setup.config)
     except Exception as err:
-        logger.exception("engine core: model loading failed")
-        fronts.open(CoreFailed(f"{type(err).__name__}: {err}"))
+        fronts.open(CoreFailed.of(err))
         raise SystemExit(1) from None
     prepare_to_serve(engine)
     fronts.open(CoreReady(engine.limits, engine.gauges()))

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+from engine.config import is_config_error
 from engine.heap import freeze_start_up_heap
 from engine.parallel.comm import init_group, leave_group
 from engine.parallel.shard import Shard
@@ -46,8 +47,15 @@ def main() -> int:
     device = rank_device(args.config, shard)
     report_stage(args.status_fd, "joining")
     comm = init_group(shard, device, args.store_path)
-    runner = build_rank(args.config, device, shard, comm,
-                        loaded=lambda: report_stage(args.status_fd, "loaded")).runner
+    try:
+        runner = build_rank(args.config, device, shard, comm,
+                            loaded=lambda: report_stage(args.status_fd, "loaded")).runner
+    except ValueError as err:
+        if not is_config_error(err):
+            raise
+        logger.error("tensor-parallel rank %d: %s", args.rank, err)  # one line, no traceback
+        leave_group()
+        return 1
     os.close(args.status_fd)  # the last report: nothing forked later holds the pipe open
     comm.serving_timeout(args.config.collective_timeout_s)
     refresh_warm_up(runner)

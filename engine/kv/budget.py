@@ -51,16 +51,20 @@ def plan_kv(config: EngineConfig, max_model_len: int, bytes_per_token: int,
     tokens = min(tokens, config.max_num_seqs * max_model_len * layout.num_tables)
     block_size = max_model_len if config.is_contiguous else config.block_size
     num_blocks = tokens // block_size
-    if num_blocks < 1:
+    pool = {"num_kv_blocks": f"num_kv_blocks={config.num_kv_blocks}",
+            "kv_cache_memory": f"kv_cache_memory={config.kv_cache_memory}"}.get(sized_by)
+    if num_blocks < 1:  # a configuration error: "invalid <key>=<value>: ..."
+        key = "max_model_len" if config.is_contiguous else "block_size"
         raise ValueError(
-            f"KV budget ({sized_by}) holds {tokens} tokens, less than one block of "
-            f"{block_size} tokens ({'max_model_len' if config.is_contiguous else 'block_size'}); "
-            "raise kv_cache_memory / num_kv_blocks or lower max_model_len")
+            f"invalid {key}={block_size}: the KV pool ({pool or sized_by}) holds {tokens} "
+            f"tokens, less than one block of {block_size} tokens ({key}); raise "
+            f"kv_cache_memory / num_kv_blocks or lower {key}")
     if num_blocks < layout.num_tables:
         raise ValueError(
-            f"KV budget ({sized_by}) holds {num_blocks} blocks, fewer than the "
-            f"{layout.num_tables} block tables of this model's layer groups (a sequence takes "
-            "a block in each); raise kv_cache_memory / num_kv_blocks")
+            f"{f'invalid {pool}' if pool else 'the KV pool (device default)'}: holds "
+            f"{num_blocks} blocks, fewer than the {layout.num_tables} block tables of this "
+            "model's layer groups (a sequence takes a block in each); raise kv_cache_memory / "
+            "num_kv_blocks")
     return KVPlan(num_blocks, block_size, bytes_per_token,
                   max_concurrency(num_blocks, block_size, max_model_len, layout), sized_by,
                   layout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ from engine.model_files import open_checkpoint, read_json_object
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES, Family, native_names
+from engine.models.spec import ModelSpec
 from engine.parallel.shard import Shard
 
 if TYPE_CHECKING:
@@ -46,6 +48,30 @@ def read_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json: not a transformers model folder")
     return read_json_object(path)
+
+
+def spec_from_files(model_dir: str | Path, model_impl: str = "auto",
+                    shard: Shard | None = None) -> ModelSpec | None:
+    """The ModelSpec that load_model will give `shard`'s rank, from config.json alone, before
+    any weights load; None where only loading tells (the transformers fallback), or where the
+    load will refuse the folder with its own error."""
+    shard = shard or Shard()
+    try:
+        config = read_config(model_dir)
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch not in NATIVE_ARCHITECTURES or model_impl == "transformers":
+            return None
+        model_cls = _FAMILIES[NATIVE_ARCHITECTURES[arch].family]
+        if model_cls.unsupported(arch, config) is not None:
+            return None
+        spec = model_cls.spec_from_config(arch, config)
+    except Exception:  # noqa: BLE001 - the load says what is wrong with the folder
+        return None
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    if heads % shard.size or (kv_heads % shard.size and shard.size % kv_heads):
+        return None  # the model refuses the degree, naming it (Shard.check)
+    return replace(spec, num_heads=len(shard.split(heads)),
+                   num_kv_heads=len(shard.kv_heads(heads, kv_heads)))
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

@@ -17,7 +17,7 @@ from engine.kv.budget import KVPlan, default_budget_bytes, plan_kv
 from engine.kv.layout import kv_layout
 from engine.models.cpu_fused import fused_ops_for
 from engine.models.linear import pack_model_linears
-from engine.models.loader import load_model, resolve_device, resolve_dtype
+from engine.models.loader import load_model, resolve_device, resolve_dtype, spec_from_files
 from engine.models.spec import ModelSpec
 from engine.parallel.comm import STARTUP_TIMEOUT, Collectives
 from engine.parallel.shard import Shard
@@ -113,10 +113,30 @@ def _max_model_len(config: EngineConfig, model_max: int) -> int:
     return config.max_model_len
 
 
+def check_before_load(config: EngineConfig, size: int) -> None:
+    """What config.json alone answers, checked before any rank starts or loads weights (the
+    same checks build_rank makes after the load): max_model_len against the model's positions,
+    and a pool sized by num_kv_blocks / kv_cache_memory against the blocks a sequence needs.
+    A model only its load describes (the transformers fallback), or a pool sized by the
+    device's free memory, is checked after the load."""
+    spec = spec_from_files(config.model, config.model_impl, Shard(0, size))
+    if spec is None:
+        return
+    max_model_len = _max_model_len(config, spec.max_position_embeddings)
+    if config.num_kv_blocks is None and config.kv_cache_memory is None:
+        return
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+    layout = kv_layout(spec.windows, not config.is_contiguous and config.kv_groups,
+                       max_model_len, config.block_size)
+    plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype, layout.num_tensors), 0,
+            layout)
+
+
 def build_rank_zero(config: EngineConfig) -> RankSetup:
     """This process's rank: the whole model, or rank 0 of `tensor_parallel_size` with the
     worker ranks started beside it (the runner's `peers`)."""
     size = tensor_parallel_size(config)
+    check_before_load(config, size)
     if size == 1:
         return build_rank(config, rank_device(config, Shard()))
     from engine.parallel.comm import init_group, leave_group

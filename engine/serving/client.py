@@ -108,12 +108,21 @@ class EngineClient:
 
     # --- text ---
 
-    def encode(self, text: str, *, truncating: bool = False) -> list[int]:
-        """Token ids of a prompt; one too long to ever fit is refused before tokenizing unless
-        the caller keeps only its last tokens (`truncating`)."""
-        if not truncating:
+    def encode(self, text: str, *, truncate: int | None = None) -> list[int]:
+        """Token ids of a prompt; one too long to ever fit is refused before tokenizing. With
+        `truncate` (TGI's), its last `truncate` tokens, any length, from tokenizing only as
+        much of its tail as they need (one client's 5 MiB prompt is not seconds of tokenizing
+        that others wait behind)."""
+        if truncate is None:
             self._check_chars(len(text), "inputs")
-        return self._tokenizers.encode(text)
+            return self._tokenizers.encode(text)
+        limit = self._limits.max_model_len
+        ids = self._tokenizers.encode_tail(text, min(truncate, limit + 1))
+        if len(ids) > limit:  # only when truncate > max_model_len: it could never run
+            raise RequestError(
+                f"inputs has more than {limit} tokens after truncate={truncate}; at most "
+                f"max_model_len={limit} fit", "inputs")
+        return ids
 
     @property
     def template_takes_tools(self) -> bool:

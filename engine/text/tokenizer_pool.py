@@ -7,6 +7,7 @@ import contextlib
 import copy
 import logging
 import queue
+import re
 from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
@@ -18,6 +19,11 @@ POOL_SIZE = 4
 # with any real tokenizer (typical text averages ~4 characters per token), so they are refused
 # before tokenizing: a 5 MiB prompt is not tokenized for seconds only to be refused then.
 MAX_CHARS_PER_TOKEN = 64
+# encode_tail: the first window's guess at characters per token (ordinary text has ~4) and the
+# tokens at the window's start dropped as possibly unlike the whole text's there.
+FIRST_CHARS_PER_TOKEN = 8
+TAIL_SLACK_TOKENS = 8
+_SPACE = re.compile(r"\s")
 # Texts whose ids the tokenizers backend must give exactly as transformers' encode does before
 # prompts skip transformers' wrapper; one more holds the tokenizer's special tokens as text.
 PROBE_TEXTS = ("", "Hello, world!", "  two  spaces\tand a tab\nand a new line ",
@@ -43,10 +49,40 @@ class TokenizerPool:
         from the tokenizers backend (~20 us of wrapper less per prompt on a 2-core host); its
         batch call, as transformers' own, lets other threads run while it encodes."""
         with self.borrow() as tokenizer:
-            if not self.direct:
-                return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-            return tokenizer.backend_tokenizer.encode_batch_fast(
-                [text], add_special_tokens=add_special_tokens)[0].ids
+            return self._encode(tokenizer, text, add_special_tokens)
+
+    def encode_tail(self, text: str, keep: int, add_special_tokens: bool = True) -> list[int]:
+        """encode(text)[-keep:] (TGI's `truncate`), from tokenizing only the text's tail: a
+        window of about FIRST_CHARS_PER_TOKEN characters per token wanted, doubled while it
+        gives too few tokens, up to MAX_CHARS_PER_TOKEN per token; so a prompt's size never
+        costs more than (keep + TAIL_SLACK_TOKENS) x 2 x MAX_CHARS_PER_TOKEN characters of
+        tokenizing. The window starts at a white space where one is near (a word is not cut
+        in two) and its first TAIL_SLACK_TOKENS tokens are dropped: those can differ from the
+        whole text's (a cut word, a prefix space or BOS added at a text's start). Past them
+        the ids equal the whole text's wherever the tokenizer is local (pre-tokenized words,
+        as BPE and SentencePiece tokenizers are on ordinary text)."""
+        need = keep + TAIL_SLACK_TOKENS
+        limit = need * MAX_CHARS_PER_TOKEN
+        chars = need * FIRST_CHARS_PER_TOKEN
+        with self.borrow() as tokenizer:
+            while True:
+                if chars >= len(text):
+                    return self._encode(tokenizer, text, add_special_tokens)[-keep:]
+                start = len(text) - chars
+                space = _SPACE.search(text, start, start + chars // 4)
+                ids = self._encode(tokenizer, text[space.start() if space else start:],
+                                   add_special_tokens)
+                if len(ids) >= need or chars >= limit:
+                    return ids[-keep:]
+                chars = min(chars * 2, limit)
+
+    def _encode(self, tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+        if not self.direct:
+            ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return ids
+        ids = tokenizer.backend_tokenizer.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens)[0].ids
+        return ids
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator:

@@ -35,8 +35,7 @@ def serve_generate(state: ServerState, body: dict, accept: str, start: float) ->
     gen = parse_generate(body, wants_stream=wants_stream, details_default=name == "tgi")
     admit(state, len(gen.inputs))
     with engine_errors():  # a prompt too long to tokenize
-        prompts = [_truncated(state.engine.encode(text, truncating=gen.truncate is not None),
-                              gen.truncate) for text in gen.inputs]
+        prompts = [state.engine.encode(text, truncate=gen.truncate) for text in gen.inputs]
     handles = submit(state, prompts, gen.params, stream=gen.stream)
     decode = state.engine.decode
     if gen.stream:
@@ -74,8 +73,3 @@ def _tgi_line_of(line_of: LineOf, seed: int | None) -> LineOf:
         return tgi_stream_line(line, event, next(count), seed)
 
     return tgi_line
-
-
-def _truncated(ids: list[int], truncate: int | None) -> list[int]:
-    """TGI's `truncate`: keep the prompt's last N tokens."""
-    return ids if truncate is None or len(ids) <= truncate else ids[-truncate:]

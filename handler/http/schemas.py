@@ -266,4 +266,6 @@ def final_error(event: TokenEvent) -> HTTPError | None:
         return HTTPError(504, "TimeoutError", "request exceeded option.predict_timeout")
     if event.finish_reason == "abort":
         return HTTPError(503, "ServiceUnavailable", "request aborted: the server is shutting down")
+    if event.finish_reason == "invalid":  # the request's grammar failed: its message names it
+        return bad_request(event.error or "the request's grammar failed while generating")
     return HTTPError(500, "InternalServerError", "internal error while generating; see server logs")

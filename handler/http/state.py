@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import CoreAddress, EngineClient
+from engine import CoreAddress, EngineClient, is_config_error
 from handler.config.serving_config import ServingConfig
 from handler.http.formatters import Formatters
 from handler.http.metrics import Metrics
@@ -102,8 +102,11 @@ class ServerState:
 
     def shutdown(self, grace_seconds: float) -> None:
         """/ping and new requests answer 503 from now on; requests in flight get grace_seconds
-        to finish, then end with a 503 error (a stream: its last line)."""
+        to finish, then end with a 503 error (a stream: its last line). The same for a custom
+        handler's calls, queued or running (handler/lmi/runner.py)."""
         self.status = "stopping"
+        if self.runner is not None:
+            self.runner.shutdown(grace_seconds)
         if self.client is not None:
             self.client.shutdown(grace_seconds)
 
@@ -158,8 +161,11 @@ class ServerState:
                                                 self.metrics.on_step,
                                                 process=self.config.engine_process))
             logger.info("model loaded in %.1f s; serving", time.monotonic() - started)
-        except Exception:
-            logger.exception("model loading failed")
+        except Exception as err:
+            if is_config_error(err):  # "invalid <key>=<value>: ...": its line says it all
+                logger.error("model loading failed: %s", err)
+            else:
+                logger.exception("model loading failed")
             self.status = "failed"
             if self._on_load_failure is not None:
                 self._on_load_failure()
