@@ -1,4 +1,4 @@
-"""`batchyard bench …`: load, sweep, stall and decode benchmarks (figures, not tests)."""
+"""`batchyard bench …`: load, sweep, stall, decode and soak benchmarks (figures, not tests)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmark import commands as cmd
-from benchmark import constrained, kv_groups, load_memory, model_impl
+from benchmark import constrained, kv_groups, load_memory, model_impl, soak
 from benchmark.commands import DEFAULT_PEERS, PEERS, RESULTS, ROOT
 from benchmark.options import add_load_options
 from benchmark.peers import DEFAULT_VLLM_VENV
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     constrained.add_parsers(sub)
     model_impl.add_parser(sub)
     kv_groups.add_parser(sub)
+    soak.add_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 "stall": cmd.stall, "decode": cmd.decode, "profile": cmd.profile,
                 "random-model": cmd.random_model, "load-memory": load_memory.run,
                 "grammar-masks": constrained.grammar_masks, "constrained": constrained.constrained,
-                "model-impl": model_impl.run, "kv-groups": kv_groups.run}
+                "model-impl": model_impl.run, "kv-groups": kv_groups.run,
+                "soak": soak.run}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message

@@ -223,3 +223,31 @@ def test_http_load_needs_no_aws_sdk() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_bench_soak_reports_its_targets_and_leaves_nothing_running(tmp_path, capsys) -> None:
+    """A few dozen requests of every kind (hang-ups and bad bodies at high shares so each
+    appears): exit 0, every report field, nothing running or waiting, every KV block free."""
+    import psutil
+
+    code = bench_main(["soak", "--requests", "40", "--clients", "6", "--hang-ups", "0.2",
+                       "--bad", "0.2", "--idle", "0.5", "--json", str(tmp_path / "soak.json")])
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert code == 0, report["failed"]
+    assert json.loads(capsys.readouterr().out) == report
+    assert report["failed"] == [] and report["5xx"] == 0 and report["hangs"] == 0
+    assert report["leaked_kv_blocks"] == 0 and report["after_idle"]["kv_blocks_total"] == 48
+    assert report["after_idle"]["running_sequences"] == report["after_idle"]["queue_depth"] == 0
+    assert report["ping"]["count"] > 0 and report["ping"]["p99_ms"] < 1000
+    assert sum(report["totals_by_status"].values()) == 40
+    assert set(report["statuses_by_route"]) == {"/invocations", "/v1/chat/completions",
+                                                "/v1/completions"}
+    assert report["totals_by_status"]["200"] > 0 and report["5xx_by_route"] == {}
+    assert {"huge", "malformed"} & set(report["kinds"])
+    def serves(p: psutil.Process) -> bool:
+        try:
+            return "handler.cli" in " ".join(p.cmdline())
+        except psutil.Error:  # gone meanwhile
+            return False
+
+    assert not [p for p in psutil.Process().children(recursive=True) if serves(p)]
