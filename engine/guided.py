@@ -188,11 +188,12 @@ class GuidedDecoding:
         for _ in range(DRY_RUN_TOKENS):
             if matcher.is_error() or matcher.is_accepting() or matcher.is_stopped():
                 break
-            allowed = int.from_bytes(matcher.compute_bitmask(), "little") & ~eos
-            if matcher.is_error():
+            mask = int.from_bytes(matcher.compute_bitmask(), "little")
+            if matcher.is_error():  # an empty language fails here (only EOS in its mask)
                 break
-            if not allowed:
-                return f"{_CANNOT_END}: no string matches it"
+            allowed = mask & ~eos
+            if not allowed:  # only EOS, cleanly: the grammar ends (maybe on EOS as a literal)
+                return "" if mask else f"{_CANNOT_END}: no string matches it"
             matcher.consume_token((allowed & -allowed).bit_length() - 1)
         if not matcher.is_error():
             return ""

@@ -84,14 +84,14 @@ ARCH_CONFIGS = {
 }
 
 
-def build_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+def build_tokenizer(path: Path, corpus: list[str] = CORPUS) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on a few sentences (multi-byte safe), saved to path."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
                                    bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    pad_token="<|im_end|>")

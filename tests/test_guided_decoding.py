@@ -175,3 +175,17 @@ def test_bad_specs_are_refused_naming_the_field(spec, message) -> None:
     with pytest.raises(RequestError, match=re.escape(message)) as err:
         check_spec(spec)
     assert err.value.field == spec.field
+
+
+def test_a_grammar_that_ends_on_the_eos_token_itself_is_not_refused(tiny) -> None:
+    """The boundary's dry run never samples EOS; a grammar whose last lexeme is the EOS
+    special token (Llama 3 tool grammars end on <|eot_id|>) ends cleanly there, and only an
+    empty language, which fails its first mask, is refused (found in review)."""
+    from engine.guided import GuidedDecoding
+
+    _, model, tokenizer = tiny
+    guided = GuidedDecoding(tokenizer, model.config.vocab_size, frozenset({2}))
+    ending = GuidedSpec("grammar", 'start: ("yes" | "no") <|im_end|>', "guided_grammar")
+    guided.check(ending)
+    with pytest.raises(RequestError, match="guided_regex"):
+        guided.check(GuidedSpec("regex", "a[^\\s\\S]b", "guided_regex"))

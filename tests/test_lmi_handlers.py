@@ -187,3 +187,20 @@ def test_a_custom_handler_stream_is_drained_then_cut_off_with_an_error() -> None
     assert rest == [{"code": 503, "type": "ServiceUnavailable",
                      "message": "request aborted: the server is shutting down"}]
     runner.shutdown(grace_seconds=0)  # the stream has ended: nothing left in flight
+
+
+def test_a_drain_keeps_the_answer_of_a_call_that_has_just_finished() -> None:
+    """A call whose row is set but whose HTTP thread has not woken yet when the drain's time
+    is up keeps its answer; only calls still waiting end with 503 (found in review: the drain
+    aborted every call in flight)."""
+    from handler.lmi.rows import Row
+    from handler.lmi.runner import Call, HandlerRunner
+
+    runner = HandlerRunner(lambda inputs: None, object)
+    answered, waiting = Call({}, []), Call({}, [])
+    answered.row = Row()
+    answered.done.set()
+    runner._in_flight.update({answered, waiting})  # the moment before its thread wakes
+    runner.shutdown(grace_seconds=0)
+    assert answered.aborted is None and answered.row is not None
+    assert waiting.aborted == "shutdown" and waiting.done.is_set()

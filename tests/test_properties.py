@@ -207,6 +207,9 @@ OTHER_BACKENDS = (
     "gpu.minWorkers", "gpu.maxWorkers", "cpu.maxWorkers", "max_dynamic_batch_size",
     "required_memory_mb", "reserved_memory_mb", "log_model_metric", "metrics_aggregation",
     "retry_threshold", "max_workers", "min_workers",
+    # DJL's bare keys as OPTION_* variables make (found in review: option.engine matched
+    # the bare `engine` exactly and was refused)
+    "option.engine", "option.load_on_devices", "option.max_idle_time",
 )
 
 

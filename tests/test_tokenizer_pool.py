@@ -119,6 +119,20 @@ def test_a_tail_encodes_as_the_whole_texts_last_tokens(tokenizer, odd) -> None:
             assert pool.encode_tail(text, keep) == whole[-keep:], (seed, keep)
 
 
+def test_a_tail_keeps_white_space_runs_whole(tmp_path) -> None:
+    """Byte-level BPE merges a run of spaces or newlines by its whole length: a window that
+    starts inside one starts at its beginning (found in review: "\n" * 3000 + "hi" lost ids)."""
+    runs = [c * n for c in (" ", "\n") for n in range(2, 17)]
+    tokenizer = build_tokenizer(tmp_path, [*CORPUS, *runs, *(f"a{r}b" for r in runs)])
+    pool = TokenizerPool(tokenizer)
+    # runs up to the window's limit, (keep + TAIL_SLACK_TOKENS) * MAX_CHARS_PER_TOKEN
+    for text in ("\n" * 500 + "hi", "word " + " " * 500 + "end", "x" + " " * 500,
+                 _ordinary_text(3, 400) + "\n" * 300 + _ordinary_text(4, 5)):
+        whole = tokenizer.encode(text)
+        for keep in (1, 4, 16):
+            assert pool.encode_tail(text, keep) == whole[-keep:], (text[:8], keep)
+
+
 def test_a_huge_texts_tail_tokenizes_a_bounded_window(tokenizer) -> None:
     pool = TokenizerPool(tokenizer)
     text = _ordinary_text(7, 600_000)  # a few MB

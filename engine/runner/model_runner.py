@@ -7,7 +7,7 @@ derived on the device from the uploaded integers.
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from typing import Protocol
 
 import torch
 
@@ -221,8 +221,8 @@ class ModelRunner:
         """A step whose tokens, as rows (engine/runner/graphs/whole_step.py), fit a bucket."""
         if self.padded_decode is None or (plan.prefills and not self.padded_decode.prompt_rows):
             return False
-        # a context length (the last field of both tuple kinds)
-        widest = max(cast(int, row[-1]) for row in (*plan.decodes, *plan.prefills))
+        widest = max(max(d[2] for d in plan.decodes) if plan.decodes else 0,  # contexts
+                     max(p[3] for p in plan.prefills) if plan.prefills else 0)
         return self.padded_decode.fits(len(plan.ids), -(-widest // self.page_size))
 
     def pack(self, batch: ScheduledBatch) -> StepPlan:

@@ -23,7 +23,24 @@ MAX_CHARS_PER_TOKEN = 64
 # tokens at the window's start dropped as possibly unlike the whole text's there.
 FIRST_CHARS_PER_TOKEN = 8
 TAIL_SLACK_TOKENS = 8
-_SPACE = re.compile(r"\s")
+_RUN_START = re.compile(r"(?<=\S)\s")  # the first white space after a word
+
+
+def _window_start(text: str, chars: int, limit: int) -> int:
+    """Where a tail window of about `chars` characters starts: at the start of a white-space
+    run near there (a word is not cut in two, and a run, which tokenizers split by its whole
+    length, is whole), else back at the start of the run it cuts, where that is within `limit`
+    characters more (a longer run is cut: the work stays bounded, that run's ids may differ)."""
+    start = len(text) - chars
+    space = _RUN_START.search(text, start, start + chars // 4)
+    if space is not None:
+        return space.start()
+    if start > 0 and text[start].isspace() and text[start - 1].isspace():
+        before = text[max(start - limit, 0):start]
+        kept = len(before.rstrip())
+        if kept or start <= limit:
+            return start - (len(before) - kept)
+    return start
 # Texts whose ids the tokenizers backend must give exactly as transformers' encode does before
 # prompts skip transformers' wrapper; one more holds the tokenizer's special tokens as text.
 PROBE_TEXTS = ("", "Hello, world!", "  two  spaces\tand a tab\nand a new line ",
@@ -68,9 +85,7 @@ class TokenizerPool:
             while True:
                 if chars >= len(text):
                     return self._encode(tokenizer, text, add_special_tokens)[-keep:]
-                start = len(text) - chars
-                space = _SPACE.search(text, start, start + chars // 4)
-                ids = self._encode(tokenizer, text[space.start() if space else start:],
+                ids = self._encode(tokenizer, text[_window_start(text, chars, limit):],
                                    add_special_tokens)
                 if len(ids) >= need or chars >= limit:
                     return ids[-keep:]

@@ -150,7 +150,8 @@ class HandlerRunner:
             while ((self._in_flight or self._streams)
                    and (left := started + grace_seconds - time.monotonic()) > 0):
                 self._idle.wait(left)
-            cut = list(self._in_flight)
+            # a call whose row is set but whose thread has not woken yet keeps its answer
+            cut = [item for item in self._in_flight if not item.done.is_set()]
             for item in cut:
                 item.cancelled, item.aborted = True, "shutdown"
                 item.done.set()
