@@ -2,10 +2,11 @@
 KV pool small enough to force preemption; by default the tests' tiny random model): every route
 (/invocations plain, TGI-style and chat, /v1/chat/completions, /v1/completions), streaming and
 not, guided, n > 1, a share of clients that hang up (before the answer or mid-stream), a share of
-huge (413) or malformed (4xx) bodies, more clients than the queue holds (503 + Retry-After, then
-retry), while a thread times /ping. A benchmark, not a test: it prints one JSON report and exits
-1 when a target fails (0 5xx, 0 hangs, 0 KV blocks used after idle, /ping p99 < 1 s; also every
-greedy answer equals its prompt's answer alone, nothing left running or waiting)."""
+huge (413), malformed or unsatisfiable-grammar (4xx) bodies, more clients than the queue holds
+(503 + Retry-After, then retry), while a thread times /ping. A benchmark, not a test: it prints
+one JSON report and exits 1 when a target fails (0 5xx, 0 hangs, 0 KV blocks used after idle,
+/ping p99 < 1 s; also every greedy answer equals its prompt's answer alone, nothing left running
+or waiting)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,8 @@ def soak(url: str, n: int, clients: int, hang_ups: float, bad: float, seed: int)
                 counts["503_queue_full_retried"] += retries
             if status >= 500:
                 record(req, str(status), "5xx")
-            elif req.kind in ("huge", "malformed") and not 400 <= status < 500:
+            elif (req.kind in ("huge", "malformed", "refused-guided")
+                  and not 400 <= status < 500):
                 record(req, str(status), "bad bodies not answered 4xx")
             elif req.reference is not None and got != reference[req.reference][:req.max_new]:
                 record(req, str(status), "mismatched greedy answers", f"got {got}")

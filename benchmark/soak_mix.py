@@ -100,12 +100,30 @@ def pick(rng: random.Random) -> Request:
                    {"model": "soak", "prompt": prompt, **common}, stream)
 
 
+# Well-formed bodies whose grammar no answer can satisfy: refused with a 400 naming the field
+# (a grammar that never ends, a regex that matches nothing, a schema that requires itself).
+REFUSED_GUIDED = [{"guided_grammar": 'start: "a" start'}, {"guided_regex": "a[^\\s\\S]b"},
+                  {"guided_json": {"type": "object", "properties": {"a": {"$ref": "#"}},
+                                   "required": ["a"]}}]
+
+
 def pick_bad(rng: random.Random) -> Request:
-    """A body over the size limit (413) or a malformed one (4xx), on any route."""
+    """A body over the size limit (413), a malformed one or a grammar no answer satisfies
+    (4xx), on any route."""
     route = rng.choice(["/invocations", "/v1/chat/completions", "/v1/completions"])
-    if rng.random() < 0.5:
+    draw = rng.random()
+    if draw < 0.4:
         return Request("huge", route, b'{"inputs": "' + b"a" * MAX_REQUEST + b'"}')
-    return Request("malformed", route, rng.choice(MALFORMED))
+    if draw < 0.8:
+        return Request("malformed", route, rng.choice(MALFORMED))
+    fields = rng.choice(REFUSED_GUIDED)
+    if route == "/invocations":
+        body: dict = {"inputs": "Say:", "parameters": {"max_new_tokens": 4, **fields}}
+    elif route == "/v1/completions":
+        body = {"prompt": "Say:", "max_tokens": 4, **fields}
+    else:
+        body = {"messages": [{"role": "user", "content": "Say:"}], "max_tokens": 4, **fields}
+    return Request("refused-guided", route, body)
 
 
 def send(url: str, req: Request) -> tuple[int, list[int], int]:

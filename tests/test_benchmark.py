@@ -243,7 +243,7 @@ def test_bench_soak_reports_its_targets_and_leaves_nothing_running(tmp_path, cap
     assert set(report["statuses_by_route"]) == {"/invocations", "/v1/chat/completions",
                                                 "/v1/completions"}
     assert report["totals_by_status"]["200"] > 0 and report["5xx_by_route"] == {}
-    assert {"huge", "malformed"} & set(report["kinds"])
+    assert {"huge", "malformed", "refused-guided"} & set(report["kinds"])
     def serves(p: psutil.Process) -> bool:
         try:
             return "handler.cli" in " ".join(p.cmdline())
