@@ -9,7 +9,6 @@ and LongRoPE (Phi-3), rope scaling, biases a config names."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -191,8 +190,7 @@ class LlamaForCausalLM(nn.Module):
         shard.check(spec.num_heads, spec.num_kv_heads, inter)
         if moe is not None and moe.shared_inter:
             shard.check(spec.num_heads, spec.num_kv_heads, moe.shared_inter)
-        self.spec = replace(spec, num_heads=len(shard.split(spec.num_heads)),
-                            num_kv_heads=len(shard.kv_heads(spec.num_heads, spec.num_kv_heads)))
+        self.spec = spec.of_rank(shard)
         self.vocab = shard.vocab(spec.vocab_size)  # the token ids of this rank's rows
         vocab_rows = shard.vocab_rows(spec.vocab_size)
         self.tie_word_embeddings = config.get("tie_word_embeddings", False)

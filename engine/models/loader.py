@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,13 +64,10 @@ def spec_from_files(model_dir: str | Path, model_impl: str = "auto",
         if model_cls.unsupported(arch, config) is not None:
             return None
         spec = model_cls.spec_from_config(arch, config)
+        shard.check(spec.num_heads, spec.num_kv_heads)  # the model refuses it, naming it
     except Exception:  # noqa: BLE001 - the load says what is wrong with the folder
         return None
-    heads, kv_heads = spec.num_heads, spec.num_kv_heads
-    if heads % shard.size or (kv_heads % shard.size and shard.size % kv_heads):
-        return None  # the model refuses the degree, naming it (Shard.check)
-    return replace(spec, num_heads=len(shard.split(heads)),
-                   num_kv_heads=len(shard.kv_heads(heads, kv_heads)))
+    return spec.of_rank(shard)
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

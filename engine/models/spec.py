@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.parallel.shard import Shard
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,11 @@ class ModelSpec:
     def windows(self) -> tuple[int | None, ...]:
         """Each layer's window (None: full attention)."""
         return self.layer_windows or (self.sliding_window,) * self.num_layers
+
+    def of_rank(self, shard: Shard) -> ModelSpec:
+        """What `shard`'s rank holds: its q heads and its KV heads (vocab_size stays whole)."""
+        return replace(self, num_heads=len(shard.split(self.num_heads)),
+                       num_kv_heads=len(shard.kv_heads(self.num_heads, self.num_kv_heads)))
 
     def kv_bytes_per_token(self, dtype: torch.dtype, layers: int | None = None) -> int:
         """K and V of one token over all layers (or over `layers` of them)."""

@@ -26,15 +26,17 @@ class Shard:
     def is_whole(self) -> bool:
         return self.size == 1
 
-    def check(self, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
-        """ValueError naming what does not divide by the degree."""
+    def check(self, num_heads: int, num_kv_heads: int,
+              intermediate_size: int | None = None) -> None:
+        """ValueError naming what does not divide by the degree (the MLP's rows too where
+        `intermediate_size` is given)."""
         n = self.size
         problems = []
         if num_heads % n:
             problems.append(f"{num_heads} attention heads")
         if num_kv_heads % n and n % num_kv_heads:
             problems.append(f"{num_kv_heads} KV heads (must divide or be divided by it)")
-        if intermediate_size % n:
+        if intermediate_size is not None and intermediate_size % n:
             problems.append(f"intermediate_size {intermediate_size}")
         if problems:
             raise ValueError(f"invalid tensor_parallel_degree={n}: the model's "

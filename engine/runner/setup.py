@@ -67,10 +67,8 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     budget = default_budget_bytes(device.type, config.gpu_memory_utilization)
     if comm is not None:  # every rank holds the same blocks: size them by the tightest rank
         budget = comm.agree_min(budget // shard.size if device.type == "cpu" else budget)
-    layout = kv_layout(spec.windows, not config.is_contiguous and config.kv_groups,
-                       max_model_len, config.block_size)
-    kv = plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype, layout.num_tensors),
-                 budget, layout)
+    kv = _plan_pool(config, spec, dtype, max_model_len, budget)
+    layout = kv.layout
     if layout.is_hybrid:
         logger.info("KV groups: %d block tables over %d pool tensors (windows %s); windowed "
                     "tables free what sequences slide past", layout.num_tables,
@@ -104,6 +102,16 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     return RankSetup(runner, spec, kv, max_model_len)
 
 
+def _plan_pool(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max_model_len: int,
+               default_budget: int) -> KVPlan:
+    """The KV pool of `spec`'s rank: its layout (a block table per layer group under paged
+    batching) and its blocks (plan_kv)."""
+    layout = kv_layout(spec.windows, not config.is_contiguous and config.kv_groups,
+                       max_model_len, config.block_size)
+    return plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype, layout.num_tensors),
+                   default_budget, layout)
+
+
 def _max_model_len(config: EngineConfig, model_max: int) -> int:
     if config.max_model_len is None:
         return model_max
@@ -125,11 +133,8 @@ def check_before_load(config: EngineConfig, size: int) -> None:
     max_model_len = _max_model_len(config, spec.max_position_embeddings)
     if config.num_kv_blocks is None and config.kv_cache_memory is None:
         return
-    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-    layout = kv_layout(spec.windows, not config.is_contiguous and config.kv_groups,
-                       max_model_len, config.block_size)
-    plan_kv(config, max_model_len, spec.kv_bytes_per_token(dtype, layout.num_tensors), 0,
-            layout)
+    _plan_pool(config, spec, resolve_dtype(config.dtype, resolve_device(config.device)),
+               max_model_len, 0)
 
 
 def build_rank_zero(config: EngineConfig) -> RankSetup:
