@@ -10,7 +10,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 # auto: a fast kernel where one fits the device, else the pure-PyTorch reference
 # (engine/attention/select.py).
-ATTENTION_BACKENDS = ("auto", "reference", "flex", "cpu_paged")
+ATTENTION_BACKENDS = ("auto", "reference", "flex", "cpu_paged", "triton")
 # auto: packed CPU matmuls, our tiled kernel then oneDNN, else aten (engine/models/linear.py).
 LINEAR_BACKENDS = ("auto", "tiled", "onednn", "aten")
 # Who implements the model (vLLM's --model-impl): batchyard's native modules where the

@@ -59,7 +59,9 @@ class CpuPagedAttention(AttentionBackend):
             width=max(meta.decode_context_lens))
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+        assert softcap is None, "caps_scores is False"
         rows = cast("DecodeRows | None", meta.backend_state)  # what prepare() returned
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
         in_place = (k_cache.dtype == torch.float32 and k_cache.is_contiguous()

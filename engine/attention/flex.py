@@ -165,7 +165,9 @@ class FlexAttention(AttentionBackend):
             logger.info("flex attention: per-sequence table grown to %d pages", self.max_pages)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+        assert softcap is None, "caps_scores is False"
         step = cast(FlexStep, meta.backend_state)  # what prepare() returned
         if step.block_mask is None:  # the first layer knows the pool size; the rest reuse it
             step.block_mask = self._block_mask(step, k_cache.shape[0], meta.page_size)

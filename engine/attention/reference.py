@@ -85,14 +85,23 @@ class AttentionBackend(ABC):
     # (max_rows, pytree types) of the latest warm-up (engine/runner/attention_check.py);
     # None: none
     warmed_up: tuple[int, int] | None = None
+    # Whether forward() takes logit soft-capping (Gemma 2); other backends are given None and
+    # such layers use engine/attention/explicit.py
+    caps_scores = False
+    # Whether padded decode graphs may call it on the pool's own page tables (it bounds rows by
+    # context and first visible position, reading only what they see): the reference's gather
+    # runs there otherwise
+    reads_pool_in_place = False
 
     def prepare(self, meta: AttentionMetadata) -> object | None:
         return None
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [num_tokens, num_heads, head_dim] → out [num_tokens, num_heads, head_dim]."""
+                meta: AttentionMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim] → out [num_tokens, num_heads, head_dim];
+        `softcap` only where caps_scores."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,9 @@ class ReferenceAttention(AttentionBackend):
         return decode_groups(meta)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+        assert softcap is None, "caps_scores is False"
         groups = cast("tuple[DecodeGroup, ...] | None", meta.backend_state)  # from prepare()
         return reference_attention(q, k_cache, v_cache, meta, scale, groups)
 

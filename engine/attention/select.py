@@ -8,8 +8,10 @@ import torch
 
 from engine.attention.cpu import CpuPagedAttention
 from engine.attention.reference import AttentionBackend, ReferenceAttention
+from engine.attention.triton_paged import TritonPagedAttention
 from engine.config import ATTENTION_BACKENDS
 from engine.kernels import compiler
+from engine.kernels.triton_setup import TritonUnavailable, import_triton
 
 logger = logging.getLogger(__name__)
 
@@ -26,20 +28,35 @@ def _flex_available() -> bool:
     return True
 
 
+def _triton_available(device: torch.device) -> bool:
+    try:
+        import_triton(device)
+    except TritonUnavailable as err:
+        logger.info("Triton attention unavailable: %s", err)
+        return False
+    return True
+
+
 def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """`auto`: the fastest backend that runs on `device`; otherwise the one named.
 
-    `flex` runs on any device; on CPU its first call per shape compiles for many seconds, so
-    `auto` picks it only on CUDA, where FlexAttention generates Triton kernels. On CPU `auto`
-    picks `cpu_paged` (decode reads the pool in place) when a C compiler is there to build it;
-    a backend that then fails its start-up check falls back to the reference."""
+    On CUDA `auto` picks `triton` (one paged kernel for every step, reading the pool in
+    place), else `flex`. `triton` runs on the CPU too, through Triton's interpreter: slowly,
+    for tests. On CPU `auto` picks `cpu_paged` (decode reads the pool in place) when a C
+    compiler is there to build it; `flex` runs on any device, but on CPU its first call per
+    shape compiles for many seconds. A backend that then fails its start-up check falls back
+    (fallback_backend) under `auto`, and stops the start under its own name."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"invalid attention_backend={name!r}: must be one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
-    if name == "flex" or (name == "auto" and device.type == "cuda" and _flex_available()):
-        from engine.attention.flex import FlexAttention
-
-        backend: AttentionBackend = FlexAttention(device)
+    if name == "triton" or (name == "auto" and device.type == "cuda"
+                            and _triton_available(device)):
+        try:
+            backend: AttentionBackend = TritonPagedAttention(device)
+        except TritonUnavailable as err:
+            raise ValueError(f"invalid attention_backend='triton': {err}") from err
+    elif name == "flex" or (name == "auto" and device.type == "cuda" and _flex_available()):
+        backend = _flex(device)
     elif name == "cpu_paged" or (name == "auto" and device.type == "cpu" and compiler()):
         if device.type != "cpu":
             raise ValueError(f"invalid attention_backend='cpu_paged': runs on the CPU, "
@@ -49,3 +66,17 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
         backend = ReferenceAttention()
     logger.info("attention backend: %s on %s (asked for %s)", backend.name, device, name)
     return backend
+
+
+def fallback_backend(failed: AttentionBackend, device: torch.device) -> AttentionBackend:
+    """What `auto` uses when `failed` fails its start-up check: flex after triton on CUDA,
+    the reference otherwise."""
+    if failed.name == "triton" and device.type == "cuda" and _flex_available():
+        return _flex(device)
+    return ReferenceAttention()
+
+
+def _flex(device: torch.device) -> AttentionBackend:
+    from engine.attention.flex import FlexAttention
+
+    return FlexAttention(device)

@@ -98,7 +98,9 @@ class GemmaDecoderLayer(DecoderLayer):
                 mine: AttentionMetadata) -> torch.Tensor:
         if self.softcap is None:
             return super()._attend(q, k_cache, v_cache, mine)
-        # no fast kernel caps scores
+        if mine.backend.caps_scores:
+            return mine.backend.forward(q, k_cache, v_cache, mine, self.scale, self.softcap)
+        # the other backends' kernels do not cap scores
         return explicit_attention(q, k_cache, v_cache, mine, self.scale, self.softcap,
                                   self.window)
 

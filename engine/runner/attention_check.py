@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 import torch
 
-from engine.attention.reference import ReferenceAttention, reference_attention
+from engine.attention.reference import AttentionMetadata, ReferenceAttention, reference_attention
+from engine.attention.select import fallback_backend
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.base import ScheduledBatch
@@ -38,6 +40,11 @@ def check_attention_backend(runner: ModelRunner) -> float | None:
     together = [decode, (37, 1), chunk]  # flex: three query blocks, the decodes' side by side
     cases = [together] if _fits(runner, together) else [[decode], [chunk]]
     errors = [_check(runner, case) for case in cases if _fits(runner, case)]
+    backend = runner.attention
+    if not (backend.reads_decode_mask or backend.reads_prefill_mask):
+        # a backend that bounds rows by position reads the window itself: a windowed model's
+        # layers are checked too, whatever this model's layers do
+        errors += [_check(runner, case, window=3) for case in cases if _fits(runner, case)]
     return max(errors) if errors else None
 
 
@@ -49,7 +56,8 @@ def _fits(runner: ModelRunner, case: list[tuple[int, int]]) -> bool:
     return sum(_blocks(runner, case)) <= runner.kv_cache.shape[2] // runner.block_size
 
 
-def _check(runner: ModelRunner, case: list[tuple[int, int]]) -> float:
+def _check(runner: ModelRunner, case: list[tuple[int, int]], window: int | None = None
+           ) -> float:
     needed = _blocks(runner, case)
     blocks = list(range(sum(needed)))[::-1]
     seqs = []
@@ -66,6 +74,8 @@ def _check(runner: ModelRunner, case: list[tuple[int, int]]) -> float:
     generator = torch.Generator(device=runner.device).manual_seed(0)
     with torch.inference_mode():
         meta = runner.attention_metadata(ScheduledBatch(tuple(seqs), tuple(n for _, n in case)))
+        if window is not None:
+            meta = _windowed(meta, window)
         for cache in (k_cache, v_cache):
             cache[:used_slots] = torch.randn(cache[:used_slots].shape, generator=generator,
                                              device=runner.device).to(cache.dtype)
@@ -83,6 +93,15 @@ def _check(runner: ModelRunner, case: list[tuple[int, int]]) -> float:
     limit = TOLERANCE[k_cache.dtype]
     assert error <= limit, f"differs from the reference by {error:.3g} (> {limit:g})"
     return error
+
+
+def _windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The first attention group's step for layers attending within `window` (masks unbuilt:
+    only for backends that read none; the reference builds its own from the bounds)."""
+    lo = None if meta.decode_ctx is None else (meta.decode_ctx - window).clamp(min=0)
+    meta = replace(meta if meta.groups is None else meta.groups[0], window=window, decode_lo=lo,
+                   decode_mask=None, groups=None, layer_groups=None)
+    return replace(meta, backend_state=meta.backend.prepare(meta))
 
 
 # Query-row buckets compiled at start-up; a step with more tokens compiles on first use.
@@ -151,16 +170,13 @@ def refresh_warm_up(runner: ModelRunner) -> bool:
 def prepare_attention(runner: ModelRunner, asked: str, max_num_seqs: int, max_tokens: int,
                       max_model_len: int = 0) -> None:
     """Before serving: size the backend for `max_num_seqs` sequences of up to `max_model_len`
-    tokens, check it against the reference (`auto` falls back to the reference), and on CUDA
-    compile its step sizes for steps of up to `max_tokens` tokens (flex pads them to more rows)."""
-    flex = hasattr(runner.attention, "reserve")  # its tables sized once, never regrown
-    max_rows = max_tokens
-    if flex:  # wide enough for the warm-up's longest prompt too
-        sized = cast("FlexAttention", runner.attention)
-        max_rows = sized.query_rows(max_tokens, max_num_seqs)
-        warm_up_rows = warm_up_buckets(max_rows, runner.kv_cache.shape[2])[-1:]
-        sized.reserve(max_num_seqs, max([max_model_len, *warm_up_rows]))
-    check_or_fall_back(runner, asked)
+    tokens, check it against the reference (`auto` falls back: select.fallback_backend), and
+    on CUDA compile its step sizes for steps of up to `max_tokens` tokens (flex pads them to
+    more rows)."""
+    max_rows = _reserve(runner, max_num_seqs, max_tokens, max_model_len)
+    if not check_or_fall_back(runner, asked):  # the fallback is checked in its turn
+        max_rows = _reserve(runner, max_num_seqs, max_tokens, max_model_len)
+        check_or_fall_back(runner, asked)
     if hasattr(runner.attention, "reserve") and runner.device.type in WARM_UP_DEVICES:
         # (flex still: not fallen back.) Each new step size would otherwise stall its requests
         # for seconds (seen on an H100).
@@ -171,20 +187,34 @@ def prepare_attention(runner: ModelRunner, asked: str, max_num_seqs: int, max_to
                     time.monotonic() - started)
 
 
-def check_or_fall_back(runner: ModelRunner, asked: str) -> None:
-    """A fast backend must pass its start-up check; `auto` falls back to the reference."""
+def _reserve(runner: ModelRunner, max_num_seqs: int, max_tokens: int,
+             max_model_len: int) -> int:
+    """Size flex's tables once (never regrown); the query rows a step may take."""
+    if not hasattr(runner.attention, "reserve"):
+        return max_tokens
+    sized = cast("FlexAttention", runner.attention)
+    max_rows = sized.query_rows(max_tokens, max_num_seqs)
+    warm_up_rows = warm_up_buckets(max_rows, runner.kv_cache.shape[2])[-1:]
+    sized.reserve(max_num_seqs, max([max_model_len, *warm_up_rows]))
+    return max_rows
+
+
+def check_or_fall_back(runner: ModelRunner, asked: str) -> bool:
+    """A fast backend must pass its start-up check; `auto` falls back (False: it did)."""
     if isinstance(runner.attention, ReferenceAttention):
-        return
+        return True
     try:
         error = check_attention_backend(runner)
     except Exception as err:  # a kernel that cannot compile here fails the same way
         if asked != "auto":
             raise ValueError(f"invalid attention_backend={asked!r}: it failed its start-up "
                              f"check on this device: {err}") from err
-        logger.warning("attention backend %s failed its start-up check (%s); using the "
-                       "reference backend", runner.attention.name, err)
-        runner.use_attention(ReferenceAttention())
-        return
+        fallback = fallback_backend(runner.attention, runner.device)
+        logger.warning("attention backend %s failed its start-up check (%s); using the %s "
+                       "backend", runner.attention.name, err, fallback.name)
+        runner.use_attention(fallback)
+        return False
     logger.info("attention backend %s matches the reference (max difference %s)",
                 runner.attention.name, "unchecked: pool too small" if error is None else
                 f"{error:.2g}")
+    return True

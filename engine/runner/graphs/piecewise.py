@@ -44,7 +44,9 @@ class _Cut(AttentionBackend):
         self.group = group
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+        assert softcap is None, "caps_scores is False"
         return self.step.attend(self.group, q, k_cache, v_cache, scale)
 
 

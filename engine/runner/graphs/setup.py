@@ -33,7 +33,7 @@ def build_padded_decode(runner: ModelRunner, max_rows: int, max_model_len: int,
     max_pages = -(-max_model_len // runner.page_size)
     return PaddedDecode(runner.model, runner.layer_caches, runner.layout, runner.scratch_slot,
                         runner.page_size, max_rows, max_pages, prompt_rows, max_num_seqs,
-                        pieces_follow)
+                        pieces_follow, runner.attention)
 
 
 def build_piecewise(runner: ModelRunner, max_rows: int, max_num_seqs: int) -> PiecewiseStep:

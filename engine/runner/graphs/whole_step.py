@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 
 from engine.attention.reference import (
+    AttentionBackend,
     AttentionMetadata,
     DecodeGroup,
     ReferenceAttention,
@@ -91,7 +92,7 @@ class PaddedDecode:
     def __init__(self, model, layer_caches: Sequence[torch.Tensor], layout: KVLayout,
                  scratch_slot: int, page_size: int, max_batch: int, max_pages: int,
                  prompt_rows: bool = True, max_num_seqs: int | None = None,
-                 pieces_follow: bool = True) -> None:
+                 pieces_follow: bool = True, attention: AttentionBackend | None = None) -> None:
         self.model = model
         self.prompt_rows = prompt_rows  # whether steps with prompt tokens run padded too
         # rows whose logits a step computes: one per sequence at most (max_num_seqs), however
@@ -125,7 +126,11 @@ class PaddedDecode:
         self.positions = torch.arange(max_pages * page_size, device=device)  # [T]
         self.page_steps = torch.arange(max_pages, device=device)  # [max_pages]
         self.in_page = torch.arange(page_size, device=device)  # [page_size]
-        self.attention = ReferenceAttention()
+        # a backend reading the pool in place through the page tables (triton), else the
+        # reference's gather + SDPA, whose shapes depend on the bucket alone
+        self.attention: AttentionBackend = (
+            attention if attention is not None and attention.reads_pool_in_place
+            else ReferenceAttention())
         self.steps = 0  # steps run padded (tests check the path was taken)
         self.replayed = False  # whether the latest step replayed a captured graph
         self.graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
@@ -182,11 +187,13 @@ class PaddedDecode:
         ids, positions, slots, (ctx, lo) = inputs[0], inputs[1], inputs[2:-2], inputs[-2:]
         pages = self.pages[:, :padded, :padded_width]  # [tables, padded, padded_width]
         rows = self.rows[:padded]
-        layout, staged, seen = self.layout, self.model.spec.sliding_window, {}
-        for window in layout.group_windows:
-            first = first_visible(ctx, lo, window, staged)
-            seen[window] = self._window_pages(ctx, first, window, padded_width)
-        groups = tuple(self._describe(slots[table], pages[table], rows, *seen[window], window)
+        layout, staged = self.layout, self.model.spec.sliding_window
+        firsts = {window: first_visible(ctx, lo, window, staged)
+                  for window in layout.group_windows}
+        seen = {window: self._window_pages(ctx, first, window, padded_width)
+                for window, first in firsts.items()}
+        groups = tuple(self._describe(slots[table], pages[table], rows, *seen[window], window,
+                                      ctx, firsts[window])
                        for window, table in zip(layout.group_windows, layout.group_tables,
                                                 strict=True))
         meta = groups[0] if len(groups) == 1 else replace(
@@ -203,7 +210,7 @@ class PaddedDecode:
         visible one (a fixed count: graph shapes stay static), not the whole context."""
         page = self.page_size
         span = padded_width if window is None else min(padded_width, (window - 1) // page + 2)
-        if span == padded_width:
+        if span == padded_width or self.attention.reads_pool_in_place:  # (it skips the rest)
             pos = self.positions[:padded_width * page]  # [T]
             return None, visible_positions(pos, ctx, first)
         index = (first // page)[:, None] + self.page_steps[:span]  # [Bp, S]
@@ -212,10 +219,17 @@ class PaddedDecode:
         return index.clamp(max=padded_width - 1), visible_positions(pos, ctx, first)
 
     def _describe(self, slots: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
-                  index: torch.Tensor | None, visible: torch.Tensor,
-                  window: int | None) -> AttentionMetadata:
+                  index: torch.Tensor | None, visible: torch.Tensor, window: int | None,
+                  ctx: torch.Tensor, first: torch.Tensor) -> AttentionMetadata:
         """slots [Bp], pages [Bp, Wp] (the block table's), index [Bp, S] (those read) or None
-        (all), visible [Bp, 1, 1, S * page_size]."""
+        (all), visible [Bp, 1, 1, S * page_size]; ctx, first [Bp]: each row's visible
+        positions, for a backend reading the pool in place."""
+        if self.attention.reads_pool_in_place:
+            meta = AttentionMetadata(
+                slot_mapping=slots, page_size=self.page_size, decode_token_idx=rows,
+                decode_pages=pages, decode_mask=None, prefills=(), backend=self.attention,
+                decode_ctx=ctx, decode_lo=first, window=window)
+            return replace(meta, backend_state=self.attention.prepare(meta))
         if index is not None:
             pages = pages.gather(1, index)  # [Bp, S]
         return AttentionMetadata(
