@@ -56,16 +56,17 @@ def dense(q, k_pool, v_pool, pages, q_start, q_len, ctx, page, scale, window, so
 
 def random_step(rng: random.Random, page: int, seqs: list[tuple[int, int]], kv_heads: int,
                 head_dim: int, heads: int, shared: int, window: int | None):
-    """A pool of 64 pages and sequences (queries, context) on random pages: the second shares
-    the first's first `shared` pages; under a window, the pages every query slid past are
-    given back (a far id in the table)."""
+    """A pool of 64 pages or more and sequences (queries, context) on random pages: the second
+    shares the first's first `shared` pages; under a window, the pages every query slid past
+    are given back (a far id in the table)."""
     torch.manual_seed(rng.randrange(1 << 30))
-    k_pool, v_pool = (torch.randn(64 * page, kv_heads, head_dim) for _ in range(2))
+    num_pages = max(64, sum(-(-c // page) for _, c in seqs))
+    k_pool, v_pool = (torch.randn(num_pages * page, kv_heads, head_dim) for _ in range(2))
     width = max(-(-c // page) for _, c in seqs)
-    free = list(range(64))
+    free = list(range(num_pages))
     rng.shuffle(free)
     pages = torch.full((len(seqs), width), FAR, dtype=torch.int64)  # [S, W]
-    for s, (n, c) in enumerate(seqs):
+    for s, (_, c) in enumerate(seqs):
         count = -(-c // page)
         own = [free.pop() for _ in range(count)]
         if s == 1 and shared:
@@ -81,15 +82,17 @@ def random_step(rng: random.Random, page: int, seqs: list[tuple[int, int]], kv_h
     return q, k_pool, v_pool, pages, q_start, q_len, ctx
 
 
-def run_kernel(kernel, step, page, window, softcap, block_q, key_tile, split):
+def run_kernel(kernel, step, page, window, softcap, block_q, key_tile, split, reference=True):
     q, k_pool, v_pool, pages, q_start, q_len, ctx = step
     counts = (q_len + block_q - 1) // block_q
-    cu_blocks = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    cu_blocks = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     out = torch.full_like(q, float("nan"))  # every row must be written
     scale = q.shape[2] ** -0.5
     kernel.paged_attention(q, k_pool, v_pool, out, pages, q_start, q_len, ctx, cu_blocks,
                            int(cu_blocks[-1]) + 3, page, scale, window, softcap, block_q,
                            key_tile, split)
+    if not reference:
+        return out, None
     return out, dense(q, k_pool, v_pool, pages, q_start, q_len, ctx, page, scale, window,
                       softcap)
 
@@ -250,3 +253,57 @@ def test_windows_groups_and_soft_capping_serve_transformers_tokens(tmp_path, arc
             for i, (p, n) in enumerate(zip(prompts, new_tokens, strict=True))]
     drive(engine, reqs)
     assert [r.tokens for r in reqs] == refs
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA_TOLERANCE = {torch.float32: 5e-6, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def long_contexts_case(kernel, device: torch.device, dtype: torch.dtype, split: int) -> None:
+    """GQA 4 over long contexts beside a prompt chunk, head dim 64, with and without a
+    window or soft-capping, on `device` in `dtype`, against float64 on the CPU."""
+    rng = random.Random(split)
+    seqs = [*SEQS, (1, 900), (40, 300)]
+    step = random_step(rng, 16, seqs, 2, 64, 8, shared=1, window=None)
+    moved = [t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in step]
+    for window, softcap in ((None, None), (33, None), (None, 20.0)):
+        out, _ = run_kernel(kernel, moved, 16, window, softcap, 16, 32, split, reference=False)
+        want = dense(*(t.cpu().double() if t.is_floating_point() else t.cpu() for t in moved),
+                     16, 64 ** -0.5, window, softcap)
+        torch.testing.assert_close(out.cpu().double(), want, atol=CUDA_TOLERANCE[dtype],
+                                   rtol=CUDA_TOLERANCE[dtype])
+
+
+def test_long_contexts_on_the_cpu(kernel) -> None:
+    """The GPU test's case, interpreted (so that its own code is proven here too)."""
+    long_contexts_case(kernel, CPU, torch.float32, 3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", list(CUDA_TOLERANCE))
+@pytest.mark.parametrize("split", [1, 4])
+def test_compiled_kernel_on_cuda_matches_dense_attention(kernel_cuda, dtype, split) -> None:
+    """The same checks, compiled for the GPU: every dtype (fp32 through IEEE products, not
+    tf32), split key ranges."""
+    long_contexts_case(kernel_cuda, torch.device("cuda"), dtype, split)
+
+
+@pytest.fixture(scope="module")
+def kernel_cuda():
+    return TritonPagedAttention(torch.device("cuda")).kernel
+
+
+@needs_cuda
+@pytest.mark.parametrize("batching", ["continuous", "paged"])
+def test_cuda_engine_with_graphs_gives_generate_greedy_tokens(tiny, batching) -> None:
+    """float32 on the GPU with whole-step and piecewise graphs replaying the kernel."""
+    path, prompts, new_tokens, refs = tiny
+    engine = make_engine(path, batching, device="cuda", attention_backend="triton",
+                         max_num_batched_tokens=16 if batching == "paged" else None)
+    assert engine.runner.attention.name == "triton"
+    assert engine.runner.padded_decode.attention is engine.runner.attention
+    reqs = [Req(f"r{i}", p, greedy(n), i) for i, (p, n) in enumerate(zip(prompts, new_tokens,
+                                                                          strict=True))]
+    drive(engine, reqs)
+    assert [r.tokens for r in reqs] == refs
+    assert engine.runner.padded_decode.steps > 0
