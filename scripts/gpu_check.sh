@@ -42,6 +42,13 @@
 # beats the eager step there (steps up to 512 rows replay graphs since 9cd79d2; those past
 # the gather bound, a 512-token chunk beside 1,000-token contexts, replay piecewise graphs
 # since stop 46: their "graphs" share says whether they did).
+# CHECKS=peers: issue #51's GPU peer: `bench peers batchyard hf-cb` on the first preset on the
+# GPU (LMI workload, 32 clients, PEERS_REQUESTS=96), batchyard's paged engine offline against
+# transformers' continuous batching (generate_batch's paged cache), both given one KV budget
+# (PEERS_KV=512MiB: under paged.properties' 32 x 2,048-token cap, so both pools hold the same
+# tokens); each side's req/s, errors and KV pool in summary.txt, with vLLM's published figure
+# (not measured here), and peers.json. Bounded at 280 s (with the model: alone in a call, or
+# after CHECKS=tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
@@ -222,6 +229,29 @@ if want stall; then  # a long prompt admitted beside running decodes, graphs aga
         /tmp/gpu-check-stall/paged-eager.properties --model-dir "$model" \
         --long-prompt-tokens "${STALL_PROMPT:-2000}" --out /tmp/gpu-check-stall
     grep -E "^paged-(graphs|eager): long prompt" "$OUT/log.txt" >> "$OUT/summary.txt"
+fi
+if want peers; then  # #51: transformers' continuous batching on the same card, model and KV
+    random_model "$first"
+    rm -rf /tmp/gpu-check-peers
+    step peers 280 "$PY" -m handler.cli bench peers batchyard hf-cb --model-dir "$model" \
+        --dtype "$dtype" --peer-device "$DEVICE" --kv-cache-memory "${PEERS_KV:-512MiB}" \
+        -c 32 -n "${PEERS_REQUESTS:-96}" --out /tmp/gpu-check-peers
+    cp /tmp/gpu-check-peers/peers.json "$OUT/peers.json" 2> /dev/null
+    "$PY" - /tmp/gpu-check-peers/peers.json >> "$OUT/summary.txt" 2>> "$OUT/log.txt" <<'EOF'
+import json, sys
+from benchmark.tables import VLLM_PUBLISHED
+runs = json.load(open(sys.argv[1]))
+for name, run in runs.items():
+    print(f"peers {name}: {run.get('requests_per_s', 0.0):.3f} req/s, "
+          f"{run.get('num_errors')} errors, KV {run.get('kv_cache_bytes')} bytes = "
+          f"{run.get('kv_tokens')} tokens, on {run.get('device')}" + (
+              f"; failed: {run['error'][:200]}" if "error" in run else ""))
+ours, theirs = (runs.get(n, {}).get("requests_per_s") for n in ("batchyard", "hf-cb"))
+if ours and theirs:
+    print(f"peers batchyard (offline) / hf-cb: {ours / theirs:.2f}x req/s (#51's target: 1.5x, served)")
+print(f"peers {VLLM_PUBLISHED['name']}: published, not measured here: "
+      f"{VLLM_PUBLISHED['figure']}; {VLLM_PUBLISHED['source']}")
+EOF
 fi
 if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV budget for all
     random_model "$first"

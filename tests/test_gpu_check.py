@@ -31,9 +31,9 @@ def test_every_test_it_runs_is_collected() -> None:
 def test_every_bench_option_it_passes_exists() -> None:
     lines = SCRIPT.read_text().replace("\\\n", " ").splitlines()
     used = {command: set(re.findall(r"(--[\w-]+)", line.split(f"bench {command}", 1)[1]))
-            for line in lines for command in ("random-model", "profile", "sweep")
+            for line in lines for command in ("random-model", "profile", "sweep", "peers")
             if f"bench {command}" in line}
-    assert set(used) == {"random-model", "profile", "sweep"} and all(used.values())
+    assert set(used) == {"random-model", "profile", "sweep", "peers"} and all(used.values())
     for command, flags in used.items():
         help_text = subprocess.run([sys.executable, "-m", "handler.cli", "bench", command, "-h"],
                                    capture_output=True, text=True, check=True,
@@ -78,3 +78,21 @@ def test_the_carried_packages_are_named_not_pinned_and_installed_here() -> None:
     assert {"transformers", "tokenizers", "gunicorn-h1c"} <= set(names)
     for name in names:
         assert importlib.metadata.version(name)
+
+
+def test_every_check_it_knows_is_documented_in_its_header() -> None:
+    """`want NAME` runs a part: its header says what CHECKS=NAME does (or that it is a default)."""
+    text = SCRIPT.read_text()
+    header = text.split("set -uo pipefail", 1)[0]
+    checks = set(re.findall(r"\bwant (\w+)", text))
+    assert {"tests", "profile", "sweep", "stall", "peers"} <= checks
+    default = re.search(r'default "([\w ]+)"', header)[1].split()
+    for name in checks - set(default):
+        assert f"CHECKS={name}" in header, f"CHECKS={name} is not documented"
+
+
+def test_the_peers_check_runs_batchyard_against_hf_cb_on_one_budget() -> None:
+    line = next(line for line in SCRIPT.read_text().replace("\\\n", " ").splitlines()
+                if "bench peers" in line and not line.lstrip().startswith("#"))
+    assert re.search(r"bench peers batchyard hf-cb ", line)
+    assert "--kv-cache-memory" in line and '--peer-device "$DEVICE"' in line
