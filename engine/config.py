@@ -19,6 +19,8 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 # vLLM's CUDAGraphMode names: whole-step graphs, plus piecewise graphs for the steps past their
 # gather bound (engine/runner/graphs/piecewise.py); whole-step graphs alone; none (enforce_eager)
 CUDAGRAPH_MODES = ("full_and_piecewise", "full", "none")
+# The max_lora_rank values vLLM allows (LMI passes the key to it): slots are this wide.
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Weight-only quantization applied at load (engine/models/int8_linear.py).
 QUANTIZATIONS = ("int8",)
 # A busy step holds this many sequences or more (max_num_seqs, if fewer); the gauges time busy
@@ -83,6 +85,16 @@ class EngineConfig:
     # auto: native when the architecture has a native implementation, else the transformers
     # fallback; native: refuse other architectures; transformers: the fallback for any.
     model_impl: str = "auto"
+    # LoRA adapters (engine/lora/): requests name one of them, and their rows add its update
+    # to the base layers' outputs. max_loras: distinct adapters in one step (device slots);
+    # max_lora_rank: the largest rank served (slots are that wide); max_cpu_loras: adapters
+    # kept read in host memory (None: max_loras); lora_modules: (name, folder) registered at
+    # start-up.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.batching in BATCHING_STRATEGIES, "batching", self.batching,
@@ -114,6 +126,13 @@ class EngineConfig:
                f"one of {', '.join(CUDAGRAPH_MODES)}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a fraction in (0, 1]")
+        _check(self.max_loras >= 1, "max_loras", self.max_loras, "an integer >= 1")
+        _check(self.max_lora_rank in MAX_LORA_RANKS, "max_lora_rank", self.max_lora_rank,
+               f"one of {', '.join(map(str, MAX_LORA_RANKS))}")
+        _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+               "max_cpu_loras", self.max_cpu_loras, f"an integer >= max_loras={self.max_loras}")
+        _check(self.enable_lora or not self.lora_modules, "enable_lora", self.enable_lora,
+               "true when adapters are given")
 
     @property
     def busy_step_sequences(self) -> int:

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.guided import GuidedDecoding
 from engine.inputs import GenerationRequest, RequestLimits
 from engine.kv.budget import max_concurrency
+from engine.lora.errors import UnknownAdapter
 from engine.observe.async_check import choose_async_scheduling
 from engine.observe.phases import NoPhases, PhaseClock
 from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
@@ -24,6 +25,7 @@ from engine.text.tokenizer_files import load_tokenizer
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from engine.lora.manager import AdapterRegistry
     from engine.runner.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
@@ -139,8 +141,11 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int] | tuple[int, ...],
                  params: SamplingParams) -> None:
-        """Raise RequestError if this request can never run (empty, too long, bad token ids)."""
+        """Raise RequestError if this request can never run (empty, too long, bad token ids,
+        an adapter that is not registered)."""
         self.limits.validate(prompt_token_ids, params)
+        if params.adapter is not None and self._lora_key(params.adapter) is None:
+            raise UnknownAdapter(params.adapter, self.adapter_names())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
                     params: SamplingParams) -> None:
@@ -162,6 +167,12 @@ class LLMEngine:
         self._requests[seq.seq_id] = _Request(request_id, seq)
         self._ids[request_id] = seq.seq_id
         self.scheduler.add(seq)
+        if params.adapter is not None:  # (a boundary in another process may not know it)
+            seq.lora_key = self._lora_key(params.adapter)
+            if seq.lora_key is None:
+                self.scheduler.finish(seq, FinishReason.UNKNOWN_ADAPTER)
+                self._ready.append(self._output(self._requests[seq.seq_id], None, error=str(
+                    UnknownAdapter(params.adapter, self.adapter_names()))))
         if params.guided is not None:
             self._constrain(request_id, seq)
 
@@ -244,6 +255,42 @@ class LLMEngine:
         return max_concurrency(allocator.num_blocks, allocator.block_size, self.max_model_len,
                                self.runner.layout)
 
+    # --- LoRA adapters (engine/lora/) ---
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Register the PEFT folder `path` as `name`: the next request may name it. Raises
+        AdapterError (why it is refused) or RuntimeError (LoRA is off)."""
+        self._registry().register(name, path)
+        logger.info("LoRA adapter %s registered from %s", name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """New requests may no longer name it; those using it finish first. Raises
+        AdapterNotFound."""
+        self._registry().unregister(name, self._lora_keys_in_use())
+        logger.info("LoRA adapter %s unregistered", name)
+
+    def adapter_names(self) -> list[str]:
+        """The adapters requests may name ([] when LoRA is off)."""
+        registry = self.runner.adapters
+        return sorted(registry.current) if registry is not None else []
+
+    def adapter_path(self, name: str) -> str | None:
+        registry, key = self.runner.adapters, self._lora_key(name)
+        return registry.path_of(key) if registry is not None and key is not None else None
+
+    def _lora_key(self, name: str) -> str | None:
+        registry = self.runner.adapters
+        return registry.key_of(name) if registry is not None else None
+
+    def _registry(self) -> AdapterRegistry:
+        if self.runner.adapters is None:
+            raise RuntimeError("LoRA is not enabled (option.enable_lora=true)")
+        return self.runner.adapters
+
+    def _lora_keys_in_use(self) -> set[str]:
+        seqs = [*self.scheduler.waiting, *self.scheduler.running]
+        return {seq.lora_key for seq in seqs if seq.lora_key is not None}
+
     # --- the step ---
 
     def step(self) -> list[TokenEvent]:
@@ -266,6 +313,9 @@ class LLMEngine:
             if batch is not None:
                 self._land(self._launch(batch))
         self.phases.mark("postprocess")
+        registry = self.runner.adapters
+        if registry is not None and len(registry.paths) > len(registry.current):  # retiring
+            registry.forget_unused(self._lora_keys_in_use())
         ready, self._ready = self._ready, []  # taken only now: a step that raises keeps them
         return ready
 

@@ -47,8 +47,13 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0  # most likely alternatives reported with each token
     guided: GuidedSpec | None = None  # a grammar the output must match (engine/guided.py)
+    # the LoRA adapter whose update the request's rows add (engine/lora/); None: the base model
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
+        _require(self.adapter is None or (isinstance(self.adapter, str)
+                                          and 0 < len(self.adapter) <= 256),
+                 "adapter", "must be an adapter name of 1-256 characters", self.adapter)
         _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
         _require(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                  f"must be between 0 and max_new_tokens ({self.max_new_tokens})",

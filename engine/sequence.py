@@ -26,6 +26,8 @@ class FinishReason(StrEnum):
     TIMEOUT = "timeout"
     ERROR = "error"
     INVALID = "invalid"  # the request's own input (its grammar) failed while generating: a 4xx
+    # the LoRA adapter it names is not registered (LMI answers 424, OpenAI's routes 404)
+    UNKNOWN_ADAPTER = "unknown_adapter"
 
 
 class Constraint(Protocol):
@@ -79,6 +81,9 @@ class Sequence:
         self.num_pending = 0
         # Its KV is rotated with LongRoPE's long factors (set by the scheduler, Phi-3).
         self.long_rope = False
+        # The LoRA registration it runs with ("name@n", engine/lora/manager.py), None: the base
+        # model. Set when it is queued; keys its prefix cache blocks and its device slot.
+        self.lora_key: str | None = None
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "

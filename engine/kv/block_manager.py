@@ -148,7 +148,7 @@ class BlockManager(KVAllocator):
              else self.outside_window for i in range(matched)]
             for blocks, window in zip(cached, self.table_windows, strict=True)]
         seq.num_computed_tokens = matched * self.block_size
-        self._hashed[seq.seq_id] = (matched, hashes[matched - 1] if matched else None)
+        self._hashed[seq.seq_id] = (matched, hashes[matched - 1] if matched else _root(seq))
         return seq.num_computed_tokens
 
     def _cached_prompt(self, seq: Sequence) -> tuple[list[list[int | None]], list[int]]:
@@ -158,7 +158,7 @@ class BlockManager(KVAllocator):
         full = [t for t, window in enumerate(self.table_windows) if window is None]
         cached: list[list[int | None]] = [[] for _ in self.table_windows]
         hashes: list[int] = []
-        parent, bs = None, self.block_size
+        parent, bs = _root(seq), self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             key = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             parent = hash(key)
@@ -208,7 +208,7 @@ class BlockManager(KVAllocator):
         its own key; a block already slid out of a window is gone)."""
         if not self.enable_prefix_caching:
             return
-        done, parent = self._hashed.get(seq.seq_id, (0, None))
+        done, parent = self._hashed.get(seq.seq_id, (0, _root(seq)))
         # Only blocks whose token ids are all known (none pending on the device) get a key.
         known = min(seq.num_computed_tokens, seq.num_known_tokens)
         full = min(known // self.block_size, len(seq.block_table))
@@ -265,3 +265,9 @@ class BlockManager(KVAllocator):
         del self._block_by_hash[self._hash_of.pop(block)]
         del self._key_of[block]
         return block
+
+
+def _root(seq: Sequence) -> int | None:
+    """The parent of a sequence's first block: its LoRA adapter's (the same prompt under two
+    adapters has different KV, so their blocks must never be shared), or None."""
+    return None if seq.lora_key is None else hash(("lora", seq.lora_key))

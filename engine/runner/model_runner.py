@@ -7,6 +7,7 @@ derived on the device from the uploaded integers.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -18,6 +19,8 @@ from engine.attention.reference import (
     page_size_for,
 )
 from engine.kv.layout import KVLayout, shared_layout
+from engine.lora.manager import AdapterRegistry
+from engine.lora.runtime import LoraRuntime
 from engine.models.spec import ModelSpec
 from engine.observe.phases import NoPhases, PhaseClock
 from engine.outputs import SampledToken
@@ -93,6 +96,9 @@ class ModelRunner:
         # The latest step's samples and whose they are (seq id -> row): a later step whose
         # input is still pending reads it from there, on the device.
         self._carry: tuple[SampledRows, dict[int, int]] | None = None
+        # LoRA: the wrapped layers' slots, and (rank 0) the registry naming the adapters
+        self.lora: LoraRuntime | None = None
+        self.adapters: AdapterRegistry | None = None
 
     def use_padded_decode(self, padded: PaddedDecode | None) -> None:
         """Run the steps that fit `padded`'s buckets through it (whole-step CUDA graphs where
@@ -111,6 +117,11 @@ class ModelRunner:
     def use_greedy_kernel(self, greedy: GreedyKernel | None) -> None:
         """Greedy rows sample through this CPU kernel (engine/models/cpu_fused.py); None: torch."""
         self.sampler.greedy = greedy
+
+    def use_lora(self, lora: LoraRuntime, adapters: AdapterRegistry | None) -> None:
+        """Rows of sequences with a LoRA adapter add its update (engine/lora/); `adapters`:
+        rank 0's registry (worker ranks read what the plan loads from its folder)."""
+        self.lora, self.adapters = lora, adapters
 
     def use_peers(self, peers: PlanSender | None) -> None:
         """Send each step's plan to these tensor-parallel ranks first; None: this rank alone."""
@@ -160,6 +171,10 @@ class ModelRunner:
         piecewise = not padded and self.piecewise is not None and self.piecewise.fits(
             len(plan.ids))
         views, meta, sampler_plan = self._stage(plan, sampling, describe=not padded)
+        if self.lora is not None:  # fixed shapes on the graph paths: rows masked by slot
+            self.lora.stage(list(plan.lora_rows), plan.lora_loads,
+                            self.adapters.get if self.adapters is not None else None,
+                            padded or piecewise)
         self.phases.mark("prepare")
         if padded:
             assert self.padded_decode is not None  # _padded() is False without it
@@ -230,7 +245,13 @@ class ModelRunner:
         owners = self._carry[1] if self._carry is not None else {}
         long_rope_rows = (0 if self.spec.rope_long_after is None
                           else self.spec.max_position_embeddings)
-        return pack_step(batch, self.block_size, owners, long_rope_rows, self.layout.num_tables)
+        plan = pack_step(batch, self.block_size, owners, long_rope_rows,
+                         self.layout.num_tables)
+        if self.lora is None or self.adapters is None:
+            return plan
+        rows, loads = self.lora.plan_rows([seq.lora_key for seq in batch.seqs],
+                                          batch.num_scheduled_tokens, self.adapters.path_of)
+        return replace(plan, lora_rows=tuple(rows), lora_loads=tuple(loads))
 
     def _stage(self, plan: StepPlan, sampling: list[Sequence] | None, describe: bool = True):
         """Write the plan (and the sampling parameters) into the step buffer, upload it once,

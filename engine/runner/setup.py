@@ -15,9 +15,14 @@ from engine.attention.select import select_attention_backend
 from engine.config import EngineConfig
 from engine.kv.budget import KVPlan, default_budget_bytes, plan_kv
 from engine.kv.layout import kv_layout
+from engine.lora.errors import AdapterError
+from engine.lora.manager import AdapterRegistry
+from engine.lora.runtime import LoraRuntime
 from engine.models.cpu_fused import fused_ops_for
 from engine.models.linear import pack_model_linears
+from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_device, resolve_dtype, spec_from_files
+from engine.models.registry import native_names
 from engine.models.spec import ModelSpec
 from engine.parallel.comm import STARTUP_TIMEOUT, Collectives
 from engine.parallel.shard import Shard
@@ -77,6 +82,9 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
                          select_attention_backend(config.attention_backend, device), layout)
     # the most tokens one step holds: the configured budget, else every sequence at full length
     max_step_tokens = config.max_num_batched_tokens or config.max_num_seqs * max_model_len
+    if config.enable_lora:
+        _attach_lora(config, runner, dtype, graph_rows(config.max_num_seqs, max_step_tokens),
+                     rank_zero=shard is None or shard.rank == 0)
     prepare_attention(runner, config.attention_backend, config.max_num_seqs, max_step_tokens,
                       max_model_len)
     if hasattr(model, "use_fused_cpu_ops"):
@@ -100,6 +108,32 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
         logger.warning("CUDA graphs off: another tensor-parallel rank could not use them")
         runner.use_padded_decode(None)
     return RankSetup(runner, spec, kv, max_model_len)
+
+
+def _attach_lora(config: EngineConfig, runner: ModelRunner, dtype: torch.dtype, max_rows: int,
+                 rank_zero: bool) -> None:
+    """LoRA slots in every layer the adapters may target; on rank 0 the registry, with the
+    adapters given at start-up (a bad one stops the start, naming it and why)."""
+    model = runner.model
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError("invalid enable_lora=true: LoRA adapters are served on the native "
+                         f"models ({native_names()}), not on the transformers "
+                         "fallback")
+    lora = LoraRuntime(model, config.max_loras, config.max_lora_rank, runner.device, dtype,
+                       max_rows)
+    registry = None
+    if rank_zero:
+        registry = AdapterRegistry(config.max_lora_rank, config.max_cpu_loras or
+                                   config.max_loras, lora.check)
+        for name, path in config.lora_modules:
+            try:
+                registry.register(name, path)
+            except AdapterError as err:
+                raise ValueError(f"invalid lora_modules: {err}") from err
+        logger.info("LoRA: %d slots of rank %d; adapters at start-up: %s", config.max_loras,
+                    config.max_lora_rank, ", ".join(n for n, _ in config.lora_modules) or
+                    "none")
+    runner.use_lora(lora, registry)
 
 
 def _plan_pool(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max_model_len: int,

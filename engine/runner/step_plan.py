@@ -25,6 +25,10 @@ class StepPlan:
     sampled: list[int]  # which of the batch's sequences they belong to
     # (packed token, row of the previous step's samples): inputs still on the device
     carried: tuple[tuple[int, int], ...] = ()
+    # LoRA (engine/lora/runtime.py): each packed token's adapter slot (-1: none; empty: no
+    # LoRA), and the (slot, adapter key, folder) loads every rank makes before the step
+    lora_rows: tuple[int, ...] = ()
+    lora_loads: tuple[tuple[int, str, str], ...] = ()
 
 
 def pack_step(batch: ScheduledBatch, block_size: int, last_sampled: dict[int, int],

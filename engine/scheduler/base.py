@@ -159,11 +159,21 @@ class Scheduler(ABC):
 
     # --- helpers shared by the policies ---
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether `seq` may run beside the running sequences: at most max_loras distinct LoRA
+        adapters run at once (the device has that many slots). FIFO: one that must wait holds
+        the queue, so none waits for ever."""
+        if seq.lora_key is None:
+            return True
+        running = {s.lora_key for s in self.running if s.lora_key is not None}
+        return seq.lora_key in running or len(running) < self.config.max_loras
+
     def _admit(self, max_running: int) -> None:
-        """Move waiting sequences to running, FIFO, while slots and KV allow."""
+        """Move waiting sequences to running, FIFO, while slots, KV and adapter slots allow."""
         while self.waiting and len(self.running) < max_running:
             seq = self.waiting[0]
-            if not self.allocator.can_allocate(seq, seq.num_uncomputed_tokens):
+            if not self._adapter_fits(seq) or not self.allocator.can_allocate(
+                    seq, seq.num_uncomputed_tokens):
                 break
             self.waiting.popleft()
             self.allocator.allocate(seq, seq.num_uncomputed_tokens)

@@ -132,6 +132,8 @@ class PagedBatching(Scheduler):
     def _admit_waiting(self, budget: int, picked: dict[Sequence, int]) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                break
             self.allocator.match_prefix(seq)
             n = self._wanted_chunk(seq, budget, picked)
             n = n if self.chunked or n <= self._free_slots(seq) else 0

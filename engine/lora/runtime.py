@@ -1,0 +1,103 @@
+"""A rank's LoRA state: the wrapped layers' slots and the step's rows, staged by the runner.
+
+Rank 0 decides each step's slots (plan_rows) and writes them into its StepPlan, so that worker
+ranks of a tensor-parallel model load the same adapters into the same slots (each reads its
+own shard from the adapter's folder) before they run the same step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.lora.manager import SlotTable
+from engine.lora.peft_files import LoraAdapter, read_adapter
+from engine.lora.weights import LoraContext, check_fits, load_slot, wrap_model
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
+
+NO_ADAPTER = -1  # a row's slot when it runs the base model alone
+READ_CACHE = 4  # adapters a worker rank keeps read (rank 0's registry keeps its own LRU)
+
+# (slot, adapter key, its folder): what a step loads before it runs
+SlotLoad = tuple[int, str, str]
+
+
+class LoraRuntime:
+    """The model's LoRA-wrapped layers, their slots, and which rows use which slot."""
+
+    def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype, max_rows: int) -> None:
+        self.model = model
+        self.max_rank = max_rank
+        self.device = device
+        self.context = LoraContext(
+            row_slots=torch.full((max_rows,), NO_ADAPTER, dtype=torch.int64, device=device),
+            slot_ids=torch.arange(num_slots, device=device))
+        self.targets = wrap_model(model, num_slots, max_rank, self.context, device, dtype)
+        if device.type != "cpu":  # masked from the start: CUDA graphs capture the updates
+            self.context.groups = None
+        self.slots = SlotTable(num_slots)
+        self.read: OrderedDict[str, LoraAdapter] = OrderedDict()  # worker ranks: key -> read
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots.held)
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """AdapterError unless `adapter` fits this model's layers."""
+        check_fits(self.model, self.targets, adapter)
+
+    def plan_rows(self, keys: Sequence[str | None], counts: Sequence[int],
+                  path_of: Callable[[str], str]) -> tuple[list[int], list[SlotLoad]]:
+        """Rank 0: each token row's slot (sequences' adapter `keys`, `counts` rows each) and
+        the slot loads the step needs first."""
+        slots, loads = self.slots.assign(key for key in keys if key is not None)
+        rows: list[int] = []
+        for key, count in zip(keys, counts, strict=True):
+            rows += [NO_ADAPTER if key is None else slots[key]] * count
+        return rows, [(slot, key, path_of(key)) for slot, key in loads]
+
+    def stage(self, rows: list[int], loads: Sequence[SlotLoad],
+              read: Callable[[str], LoraAdapter] | None, padded: bool) -> None:
+        """Load the step's new slots, then tell the layers which rows use which slot: grouped
+        by adapter for an eager CPU step, as a masked row table otherwise (fixed shapes).
+        `read`: rank 0's registry (by key); worker ranks read the folders themselves."""
+        for slot, key, path in loads:
+            adapter = read(key) if read is not None else self._read(key, path)
+            load_slot(self.model, self.targets, slot, adapter, self.max_rank)
+        context = self.context
+        if self.device.type == "cpu" and not padded:
+            context.groups = _groups(rows)
+            return
+        context.groups = None
+        if len(rows) > context.row_slots.numel():  # an eager step longer than any before
+            context.row_slots = torch.full((len(rows),), NO_ADAPTER, dtype=torch.int64,
+                                           device=self.device)
+        host = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        context.row_slots[:len(rows)].copy_(host, non_blocking=True)
+        context.row_slots[len(rows):].fill_(NO_ADAPTER)  # padding rows of a padded step
+
+    def _read(self, key: str, path: str) -> LoraAdapter:
+        """A worker rank's adapter, read from its folder (a few kept)."""
+        if key not in self.read:
+            self.read[key] = read_adapter(key.rsplit("@", 1)[0], path, self.max_rank)
+            while len(self.read) > READ_CACHE:
+                self.read.popitem(last=False)
+        return self.read[key]
+
+
+def _groups(rows: list[int]) -> list[tuple[int, torch.Tensor | None]]:
+    """(slot, its rows) of each adapter in the step; None for a slot holding every row."""
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(rows):
+        if slot != NO_ADAPTER:
+            by_slot.setdefault(slot, []).append(row)
+    return [(slot, None if len(members) == len(rows) else torch.tensor(members))
+            for slot, members in by_slot.items()]
