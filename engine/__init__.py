@@ -23,6 +23,7 @@ from engine.guided import GuidedSpec, check_spec
 from engine.heap import freeze_start_up_heap
 from engine.inputs import GenerationRequest
 from engine.llm_engine import LLMEngine
+from engine.lora.errors import AdapterError, AdapterNotFound, UnknownAdapter
 from engine.model_files import ModelFileError, read_json_object
 from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES
 from engine.outputs import Gauges, StepStats, TokenEvent
@@ -36,9 +37,10 @@ __all__ = [
     "DEVICES", "DTYPES",
     "LINEAR_BACKENDS",
     "MAX_TOP_LOGPROBS", "MODEL_IMPLS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
-    "CoreAddress", "CoreServer", "EngineClient", "EngineConfig", "EngineDeadError",
-    "FinishReason", "Gauges",
+    "AdapterError", "AdapterNotFound", "CoreAddress", "CoreServer", "EngineClient",
+    "EngineConfig", "EngineDeadError", "FinishReason", "Gauges",
     "GenerationRequest", "GuidedSpec", "LLMEngine", "ModelFileError", "QueueFullError",
-    "RequestError", "RequestHandle", "SamplingParams", "StepStats", "TokenEvent", "check_spec",
+    "RequestError", "RequestHandle", "SamplingParams", "StepStats", "TokenEvent",
+    "UnknownAdapter", "check_spec",
     "freeze_start_up_heap", "is_config_error", "read_json_object",
 ]

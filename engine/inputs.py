@@ -36,6 +36,24 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class AddAdapter:
+    """Inbox message: register the PEFT folder `path` as LoRA adapter `name`; the core answers
+    `call_id` (unique among its callers) in its next update."""
+
+    call_id: str
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class RemoveAdapter:
+    """Inbox message: unregister LoRA adapter `name` (requests using it finish first)."""
+
+    call_id: str
+    name: str
+
+
+@dataclass(frozen=True)
 class StopCore:
     """Inbox message: stop stepping; the core ends what is left with an error."""
 

@@ -141,9 +141,9 @@ ENGINE_LAYERS: dict[str, set[str]] = {
                "scheduler"},
     "llm_engine": {"base", "kv", "text", "observe", "parallel", "models", "lora", "scheduler",
                    "runner"},
-    "core": {"base", "text", "observe", "parallel", "runner", "llm_engine"},
-    "serving": {"base", "text", "core", "llm_engine"},
-    "face": {"base", "models", "llm_engine", "core", "serving"},
+    "core": {"base", "text", "observe", "parallel", "lora", "runner", "llm_engine"},
+    "serving": {"base", "text", "lora", "core", "llm_engine"},
+    "face": {"base", "models", "lora", "llm_engine", "core", "serving"},
 }
 
 

@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.core.adapters import AdapterList, AdapterReply, adapter_list, answer
 from engine.heap import freeze_start_up_heap
-from engine.inputs import AbortRequest, AddRequest, StopCore
+from engine.inputs import AbortRequest, AddAdapter, AddRequest, RemoveAdapter, StopCore
 from engine.llm_engine import LLMEngine
 from engine.observe.step_watch import StepWatch
 from engine.outputs import Gauges, StepStats
@@ -29,23 +30,26 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.5  # how often an idle core re-checks its deadlines
 MAX_CONSECUTIVE_FAILURES = 3  # then the core stops and /ping turns 503
 
-CoreMessage = AddRequest | AbortRequest | StopCore
+CoreMessage = AddRequest | AbortRequest | AddAdapter | RemoveAdapter | StopCore
 
 
 @dataclass(frozen=True)
 class CoreUpdate:
-    """One step's news from the core: token ids, the gauges after it, its facts for metrics."""
+    """One step's news from the core: token ids, the gauges after it, its facts for metrics;
+    after adapter calls, their replies and the adapter list (None: unchanged)."""
 
     outputs: list[StepOutput]
     gauges: Gauges
     stats: StepStats | None = None
+    replies: tuple[AdapterReply, ...] = ()
+    adapters: AdapterList | None = None
 
     def __reduce__(self):
         # To the serving process as columns of plain values: at batch 25 this pickles in ~17 us
         # instead of ~68 (an object per output) on the core's every step, and loads faster.
         columns = list(zip(*self.outputs, strict=True))
         stats = None if self.stats is None else tuple(self.stats)
-        return _rebuild_update, (columns, tuple(self.gauges), stats)
+        return _rebuild_update, (columns, tuple(self.gauges), stats, self.replies, self.adapters)
 
 
 def prepare_to_serve(engine: LLMEngine) -> None:
@@ -59,11 +63,12 @@ def prepare_to_serve(engine: LLMEngine) -> None:
     freeze_start_up_heap()
 
 
-def _rebuild_update(columns: list[tuple], gauges: tuple,
-                    stats: tuple | None) -> CoreUpdate:
+def _rebuild_update(columns: list[tuple], gauges: tuple, stats: tuple | None,
+                    replies: tuple[AdapterReply, ...] = (),
+                    adapters: AdapterList | None = None) -> CoreUpdate:
     make = StepOutput._make
     return CoreUpdate([make(row) for row in zip(*columns, strict=True)], Gauges._make(gauges),
-                      None if stats is None else StepStats._make(stats))
+                      None if stats is None else StepStats._make(stats), replies, adapters)
 
 
 class EngineCore:
@@ -141,6 +146,7 @@ class EngineCore:
 
     def _apply(self, messages: list[CoreMessage]) -> None:
         outputs = []
+        replies = []
         for message in messages:
             if isinstance(message, AddRequest):
                 self.engine.add_validated(message.request_id, message.request)
@@ -148,9 +154,13 @@ class EngineCore:
                     self._deadlines[message.request_id] = message.request.deadline
             elif isinstance(message, AbortRequest):
                 outputs += self._abort(message.request_id, message.reason, message.error)
+            elif isinstance(message, (AddAdapter, RemoveAdapter)):
+                replies.append(answer(self.engine, message))
             else:
                 self._stopping = True
-        if outputs:
+        if replies:  # at once, with the list: its caller returns once its front knows it
+            self._send(outputs, replies=tuple(replies))
+        elif outputs:
             self._send(outputs)
         elif messages and not self._stopping:  # the next update counts them: one per step
             self._gauges_unsent = True
@@ -171,7 +181,7 @@ class EngineCore:
         return [output] if output else []
 
     def _send(self, outputs: list[StepOutput], stats: StepStats | None = None,
-              force: bool = True) -> None:
+              force: bool = True, replies: tuple[AdapterReply, ...] = ()) -> None:
         if not (outputs or stats or force):
             return
         if self._deadlines:
@@ -179,7 +189,8 @@ class EngineCore:
                 if out.finish_reason is not None:
                     self._deadlines.pop(out.request_id, None)
         self._gauges_unsent = False
-        self._publish(CoreUpdate(outputs, self.engine.gauges(), stats))
+        adapters = adapter_list(self.engine) if replies else None
+        self._publish(CoreUpdate(outputs, self.engine.gauges(), stats, replies, adapters))
 
     def _end_all(self, error: str) -> None:
         try:
@@ -195,6 +206,7 @@ class ThreadCore:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.initial_gauges = engine.gauges()
+        self.initial_adapters = adapter_list(engine)  # before the core thread starts
         self._inbox: queue.SimpleQueue[CoreMessage] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[CoreUpdate | None] = queue.SimpleQueue()
         core = EngineCore(engine, self._take, self._outbox.put)

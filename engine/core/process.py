@@ -18,11 +18,16 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, is_config_error
+from engine.core.adapters import AdapterList, adapter_list
 from engine.core.engine_core import CoreMessage, CoreUpdate, EngineCore, prepare_to_serve
 from engine.inputs import RequestLimits, StopCore
 from engine.outputs import Gauges
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,13 @@ class CoreReady:
 
     limits: RequestLimits
     gauges: Gauges
+    adapters: AdapterList = ()  # registered now (lora_modules, or calls of other fronts)
+    lora_enabled: bool = False
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> CoreReady:
+        return cls(engine.limits, engine.gauges(), adapter_list(engine),
+                   engine.config.enable_lora)
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,7 @@ class _CoreEnd(ABC):
             reason = first.message if isinstance(first, CoreFailed) else self._why_gone()
             raise RuntimeError(f"the engine core process did not start: {reason}")
         self.limits, self.initial_gauges = first.limits, first.gauges
+        self.initial_adapters, self.lora_enabled = first.adapters, first.lora_enabled
 
     @abstractmethod
     def receive(self) -> CoreUpdate | CoreReady | CoreFailed | None:
@@ -264,5 +277,5 @@ def _core_main(config: EngineConfig, inbox: Connection, outbox: Connection,
         pipes.publish(CoreFailed.of(err))
         return
     prepare_to_serve(engine)
-    pipes.publish(CoreReady(engine.limits, engine.gauges()))
+    pipes.publish(CoreReady.of(engine))
     EngineCore(engine, pipes.receive, pipes.publish).run()

@@ -143,7 +143,7 @@ def main() -> None:
         fronts.open(CoreFailed.of(err))
         raise SystemExit(1) from None
     prepare_to_serve(engine)
-    fronts.open(CoreReady(engine.limits, engine.gauges()))
+    fronts.open(CoreReady.of(engine))
     EngineCore(engine, fronts.receive, fronts.publish).run()
     listener.close()
     if os.getppid() != parent:  # the workers left because the server was killed: clean up

@@ -1,7 +1,8 @@
 """EngineClient: the engine's one boundary for callers on other threads (the HTTP edge).
 
 Text goes in and comes out here (encode, encode_chat, decode); requests are typed and validated
-once, here, before they reach the loop's inbox; gauges() is the state /ping and /metrics read.
+once, here, before they reach the loop's inbox; gauges() is the state /ping and /metrics read;
+LoRA adapters are registered and removed through it (the core applies them between steps).
 Nothing behind it (tokenizer, scheduler, allocator) is for callers to touch."""
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from typing import TYPE_CHECKING, Any, cast
 from jinja2 import TemplateError
 
 from engine.config import EngineConfig
+from engine.core.adapters import AdapterList
 from engine.core.engine_core import ThreadCore
 from engine.guided import GuidedDecoding
-from engine.inputs import GenerationRequest, RequestLimits
+from engine.inputs import AddAdapter, GenerationRequest, RemoveAdapter, RequestLimits
 from engine.llm_engine import LLMEngine
+from engine.lora.errors import UnknownAdapter
 from engine.outputs import Gauges, StepStats
 from engine.sampling_params import RequestError
-from engine.serving.loop import Core, EngineLoop, RequestHandle
+from engine.serving.loop import Core, EngineDeadError, EngineLoop, RequestHandle
 from engine.text.tokenizer_files import load_tokenizer
 from engine.text.tokenizer_pool import MAX_CHARS_PER_TOKEN, TokenizerPool
 
@@ -34,8 +37,10 @@ class EngineClient:
     def __init__(self, engine: LLMEngine, max_queued: int,
                  on_step: Callable[[StepStats], None] | None = None) -> None:
         """Serve `engine` (already loaded here) from a core thread."""
-        self._init(ThreadCore(engine), engine.tokenizer, engine.limits, engine.config,
-                   max_queued, on_step, engine.guided)
+        core = ThreadCore(engine)
+        self._init(core, engine.tokenizer, engine.limits, engine.config, max_queued, on_step,
+                   engine.guided, adapters=core.initial_adapters,
+                   lora_enabled=engine.config.enable_lora)
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_queued: int,
@@ -56,7 +61,8 @@ class EngineClient:
             raise
         client = cls.__new__(cls)
         # A Core once ready: receive() then yields CoreUpdates only (CoreReady came first).
-        client._init(cast(Core, core), tokenizer, core.limits, config, max_queued, on_step)
+        client._init(cast(Core, core), tokenizer, core.limits, config, max_queued, on_step,
+                     adapters=core.initial_adapters, lora_enabled=core.lora_enabled)
         return client
 
     @classmethod
@@ -76,12 +82,14 @@ class EngineClient:
         client = cls.__new__(cls)
         # A Core once ready: receive() then yields CoreUpdates only (CoreReady came first).
         client._init(cast(Core, core), tokenizer, core.limits, config, max_queued, on_step,
-                     id_prefix=f"req-{secrets.token_hex(4)}-")  # unique in the shared core
+                     id_prefix=f"req-{secrets.token_hex(4)}-",  # unique in the shared core
+                     adapters=core.initial_adapters, lora_enabled=core.lora_enabled)
         return client
 
     def _init(self, core: Core, tokenizer: PreTrainedTokenizerBase, limits: RequestLimits,
               config: EngineConfig, max_queued: int, on_step: Callable[[StepStats], None] | None,
-              guided: GuidedDecoding | None = None, id_prefix: str = "req-") -> None:
+              guided: GuidedDecoding | None = None, id_prefix: str = "req-",
+              adapters: AdapterList = (), lora_enabled: bool = False) -> None:
         # The loop's output thread detokenizes with `tokenizer`; callers borrow copies.
         self._tokenizers = TokenizerPool(tokenizer)
         template = tokenizer.chat_template
@@ -96,7 +104,8 @@ class EngineClient:
         self._limits = limits
         self.max_prompt_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
         self._loop = EngineLoop(core, tokenizer, config.max_num_seqs, max_queued, on_step,
-                                id_prefix)
+                                id_prefix, adapters)
+        self._lora_enabled = lora_enabled
 
     def start(self) -> None:
         self._guided.wait_built()  # its build would stall the first requests' steps
@@ -177,6 +186,9 @@ class EngineClient:
             self._limits.validate(request.prompt_token_ids, request.params)
             if request.params.guided is not None:
                 self._guided.check(request.params.guided)
+            adapter = request.params.adapter
+            if adapter is not None and not self._loop.adapters.has(adapter):
+                raise UnknownAdapter(adapter, self._loop.adapters.names())
         return self._loop.submit(requests)
 
     def abort(self, request_id: str) -> None:
@@ -189,3 +201,35 @@ class EngineClient:
     def is_alive(self) -> bool:
         """gauges().alive without the snapshot: asked on every request."""
         return self._loop.is_alive()
+
+    # --- LoRA adapters ---
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether adapters can be registered (option.enable_lora)."""
+        return self._lora_enabled
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Register the PEFT folder `path` (on the core's host) as adapter `name`; returns once
+        a request naming it is accepted. Raises AdapterError (the reason it is refused),
+        RuntimeError (LoRA is not enabled) or EngineDeadError (the core stopped)."""
+        self._call_core(lambda call_id: AddAdapter(call_id, name, path))
+
+    def remove_adapter(self, name: str) -> None:
+        """New requests may no longer name it; those already using it finish with it. Raises
+        AdapterNotFound, RuntimeError (LoRA is not enabled) or EngineDeadError."""
+        self._call_core(lambda call_id: RemoveAdapter(call_id, name))
+
+    def adapters(self) -> list[tuple[str, str]]:
+        """(name, folder) of every registered adapter, sorted by name (every front's, when
+        several serve one core: as of the core's latest update)."""
+        return self._loop.adapters.listed()
+
+    def has_adapter(self, name: str) -> bool:
+        return self._loop.adapters.has(name)
+
+    def _call_core(self, make: Callable[[str], AddAdapter | RemoveAdapter]) -> None:
+        reply = self._loop.adapters.call(make)
+        if reply is None:
+            raise EngineDeadError("the engine is not running; the adapter call was not answered")
+        reply.raise_error()

@@ -12,10 +12,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from engine.core.adapters import AdapterList
 from engine.core.engine_core import CoreMessage, CoreUpdate
 from engine.inputs import AbortRequest, AddRequest, GenerationRequest, StopCore
 from engine.outputs import Gauges, StepStats, TokenEvent
 from engine.sequence import FinishReason
+from engine.serving.adapters import AdapterMirror
 from engine.text.output_processor import OutputProcessor, StepOutput
 
 if TYPE_CHECKING:
@@ -182,7 +184,7 @@ class EngineLoop:
 
     def __init__(self, core: Core, tokenizer: PreTrainedTokenizerBase, max_num_seqs: int,
                  max_queued: int, on_step: Callable[[StepStats], None] | None = None,
-                 id_prefix: str = "req-") -> None:
+                 id_prefix: str = "req-", adapters: AdapterList = ()) -> None:
         self.capacity = max_num_seqs + max_queued  # what runs at once plus job_queue_size
         self.output_processor = OutputProcessor(tokenizer)
         self._core = core
@@ -196,8 +198,11 @@ class EngineLoop:
         self._gauges = core.initial_gauges
         self._output_thread = threading.Thread(target=self._emit, name="engine-output",
                                                daemon=True)
+        # the core's LoRA adapters, as its updates tell them (`adapters`: registered at start)
+        self.adapters = AdapterMirror(core.send, id_prefix, adapters, self.is_delivering)
 
     def start(self) -> None:
+        self.adapters.open()
         self._output_thread.start()
         self._core.start()
 
@@ -277,12 +282,20 @@ class EngineLoop:
     # --- the output thread ---
 
     def _emit(self) -> None:
+        try:
+            self._emit_until_end()
+        finally:
+            self.adapters.close()  # no reply comes any more: its callers raise
+
+    def _emit_until_end(self) -> None:
         ended = False
         while not ended:
             updates, ended = self._updates_here()
             if updates:  # first: a caller that sees its end sees its KV freed
                 self._gauges = updates[-1].gauges
             for update in updates:
+                if update.adapters is not None or update.replies:
+                    self.adapters.apply(update)
                 if update.stats is not None and self._on_step is not None:
                     try:
                         self._on_step(update.stats)
