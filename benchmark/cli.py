@@ -12,6 +12,7 @@ from benchmark import constrained, kv_groups, load_memory, model_impl, soak
 from benchmark.commands import DEFAULT_PEERS, PEERS, RESULTS, ROOT
 from benchmark.options import add_load_options
 from benchmark.peers import DEFAULT_VLLM_VENV
+from engine.config import ATTENTION_BACKENDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                          "study's (longer contexts: what a CUDA graph's KV gather costs)")
     profile.add_argument("--enforce-eager", action="store_true",
                          help="no CUDA graphs: every step eager (compare with graphs)")
+    profile.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                         help="the engine's option.attention_backend (auto: triton on CUDA)")
+    profile.add_argument("--hbm-bandwidth", type=float, metavar="TB/S",
+                         help="the hardware floor's HBM bandwidth in TB/s (10^12 bytes/s; "
+                         "default: H100 3.35, H200 4.8 by the card's name; none on the CPU)")
     profile.add_argument("--out", type=Path, help="write profile.json and profile.md here")
 
     random_model = sub.add_parser("random-model", help="a random-weight Llama folder (e.g. 1B "

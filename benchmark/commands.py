@@ -182,12 +182,17 @@ def profile(args: argparse.Namespace) -> int:
                          "--warmup >= 0")
     if args.prompt_tokens is not None and args.prompt_tokens < 2:
         raise ValueError(f"--prompt-tokens must be >= 2, got {args.prompt_tokens}")
+    if args.hbm_bandwidth is not None and not args.hbm_bandwidth > 0:
+        raise ValueError(f"--hbm-bandwidth must be > 0 (TB/s), got {args.hbm_bandwidth}")
     run = run_profile(args.model_dir or ensure_default_model(), sizes, args.steps, args.warmup,
                       args.strategy, args.dtype, args.device,
                       tensor_parallel=args.tensor_parallel,
                       async_scheduling={"auto": None, "true": True, "false": False}[
                           args.async_scheduling],
-                      prompt_tokens=args.prompt_tokens, enforce_eager=args.enforce_eager)
+                      prompt_tokens=args.prompt_tokens, enforce_eager=args.enforce_eager,
+                      attention_backend=args.attention_backend,
+                      hbm_bandwidth=None if args.hbm_bandwidth is None
+                      else args.hbm_bandwidth * 1e12)
     print(run.table())
     if args.out:
         run.save(args.out)

@@ -10,22 +10,46 @@ beside the batch's decodes, the step continuous and paged batching take at every
 (on CUDA their device-busy time too, from a second pass).
 Each row says what share of its steps replayed a CUDA graph; with `prompt_tokens` (a synthetic
 prompt of that length) and `enforce_eager`, graphs and eager steps compare at long contexts.
+The run names the attention backend its steps used (after any start-up fallback).
+
+The hardware floor of a decode or mixed row (issue #51's targets are multiples of it): the
+time the step's unavoidable memory traffic takes at the GPU's HBM bandwidth,
+
+    floor_ms = 1000 * (weight_bytes + kv_bytes) / bandwidth
+    kv_bytes = sum over sequences and layers of min(context, window) x 2 x kv_heads x head_dim
+               x element size   (K and V, as the rank's KV pool holds them)
+
+with `weight_bytes` the model's weights on this rank (parameters, and on the CPU the packed
+copies that replace its linears), each counted once: an untied input embedding counts whole
+although a step reads only its tokens' rows (~2% of a 7B model: the floor is that much high).
+A decode sequence's context is its length at the median step of the timed pass (measured,
+not assumed: chunked prefill leaves sequences some steps apart); a mixed row adds the new
+prompt's chunk, whose own K/V its attention reads. `floor_ratio` = step_ms / floor_ms. The
+bandwidth comes from HBM_BANDWIDTH by the CUDA device's name, or from `hbm_bandwidth`; none on
+the CPU or an unknown card (no floor). Prefill rows have none: compute bounds them, not memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
+
+import torch
 
 from benchmark.device_time import device_busy, device_sync
 from benchmark.workloads import LMI_WORKLOAD, Lengths, synthetic_jobs
 from engine.observe.phases import PHASES, NoPhases, StepPhases
+
+# HBM bandwidth per card, bytes/s (the vendors' figures), by a substring of
+# torch.cuda.get_device_name; the longest match wins ("NVIDIA H100 PCIe" is no SXM H100).
+HBM_BANDWIDTH = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "H200": 4.8e12}
 
 
 class MeasuredStep(NamedTuple):
@@ -46,6 +70,14 @@ class StepProfile:
     # the kernels taking most device time: name, µs and launches per step (CUDA only)
     top_kernels: tuple[tuple[str, float, float], ...] = ()
     graph_share: float = 0.0  # of the phase-split steps, those that replayed a CUDA graph
+    # K/V positions a step reads, summed over its sequences (before windows; decode, mixed)
+    kv_tokens: float | None = None
+    floor_ms: float | None = None  # the step's memory traffic at HBM bandwidth (see above)
+
+    @property
+    def floor_ratio(self) -> float | None:
+        """step_ms over the hardware floor (1.0: at the floor)."""
+        return None if not self.floor_ms else self.step_ms / self.floor_ms
 
     @property
     def host_us_per_seq(self) -> float:
@@ -71,16 +103,20 @@ class ProfileRun:
     tensor_parallel: int = 1
     async_scheduling: bool = False
     enforce_eager: bool = False
+    attention_backend: str = ""  # the one the steps used
+    weight_bytes: int = 0  # this rank's weights, read once per step
+    hbm_bytes_per_s: float | None = None  # the floor's bandwidth (None: no floor)
 
     def table(self) -> str:
         head = ["step", "batch", "tokens", "step ms", *(f"{p} ms" for p in PHASES),
-                "host us/seq", "core us/seq", "device busy ms", "graphs"]
+                "host us/seq", "core us/seq", "device busy ms", "floor ms", "floor x",
+                "graphs"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.rows:
-            busy = "-" if r.device_busy_ms is None else f"{r.device_busy_ms:.3f}"
             cells = [r.kind, str(r.batch), str(r.tokens), f"{r.step_ms:.3f}",
                      *(f"{r.phases_ms.get(p, 0.0):.3f}" for p in PHASES),
-                     f"{r.host_us_per_seq:.1f}", f"{r.core_us_per_seq:.1f}", busy,
+                     f"{r.host_us_per_seq:.1f}", f"{r.core_us_per_seq:.1f}",
+                     _cell(r.device_busy_ms, 3), _cell(r.floor_ms, 3), _cell(r.floor_ratio, 2),
                      f"{100 * r.graph_share:.0f}%"]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
@@ -88,7 +124,8 @@ class ProfileRun:
     def save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         data = {**asdict(self), "rows": [{**asdict(r), "host_us_per_seq": r.host_us_per_seq,
-                                          "core_us_per_seq": r.core_us_per_seq}
+                                          "core_us_per_seq": r.core_us_per_seq,
+                                          "floor_ratio": r.floor_ratio}
                                          for r in self.rows]}
         (out_dir / "profile.json").write_text(json.dumps(data, indent=2))
         (out_dir / "profile.md").write_text(
@@ -96,8 +133,15 @@ class ProfileRun:
             f"{self.strategy}, {self.prompt_tokens}-token prompts, tensor parallel "
             f"{self.tensor_parallel}, asynchronous scheduling "
             f"{'on' if self.async_scheduling else 'off'}"
-            f"{', every step eager' if self.enforce_eager else ''}; medians.\n\n"
+            f"{', every step eager' if self.enforce_eager else ''}, attention "
+            f"{self.attention_backend or '?'}, {self._floor_text()}; medians.\n\n"
             + self.table() + "\n" + self.kernels())
+
+    def _floor_text(self) -> str:
+        if self.hbm_bytes_per_s is None:
+            return "no hardware floor (no HBM bandwidth known)"
+        return (f"floor at {self.hbm_bytes_per_s / 1e12:g} TB/s over "
+                f"{self.weight_bytes / 2**20:.1f} MiB of weights plus the K/V read")
 
     def kernels(self) -> str:
         """The largest decode and mixed batches' top kernels (CUDA only), as lists."""
@@ -117,15 +161,19 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
                 strategy: str = "paged", dtype: str = "auto", device: str = "auto",
                 prompt: str = LMI_WORKLOAD[1].prompt, tensor_parallel: int = 1,
                 async_scheduling: bool | None = None, prompt_tokens: int | None = None,
-                enforce_eager: bool = False) -> ProfileRun:
+                enforce_eager: bool = False, attention_backend: str = "auto",
+                hbm_bandwidth: float | None = None) -> ProfileRun:
     """Profile prefill and decode steps at each batch size on one engine; `prompt_tokens`
-    replaces `prompt` with random words of that many tokens."""
+    replaces `prompt` with random words of that many tokens; `hbm_bandwidth` (bytes/s) sets
+    the floor's bandwidth (default: by the CUDA card's name; none on the CPU)."""
     from transformers import AutoTokenizer
 
     from engine import EngineConfig, LLMEngine
 
     # decode steps: both passes, the profiler's, the mixed steps' two passes
     new_tokens = warmup + 5 * steps + 2
+    if attention_backend == "triton":
+        _import_triton_for(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if prompt_tokens is not None:
         prompt = synthetic_jobs(1, Lengths("fixed", prompt_tokens), Lengths("fixed", 1),
@@ -138,23 +186,90 @@ def run_profile(model_dir: Path, batch_sizes: list[int], steps: int = 20, warmup
     config = EngineConfig(model=str(model_dir), batching=strategy, dtype=dtype, device=device,
                           max_num_seqs=max(batch_sizes) + 1, max_model_len=max_model_len,
                           block_size=block_size, tensor_parallel_size=tensor_parallel,
-                          async_scheduling=async_scheduling, enforce_eager=enforce_eager)
+                          async_scheduling=async_scheduling, enforce_eager=enforce_eager,
+                          attention_backend=attention_backend)
     engine = LLMEngine.from_config(config)
     engine.guided.wait_built()  # its background build would slow the first steps measured
+    runner = engine.runner
+    weights = weight_bytes(runner.model)
+    bandwidth = hbm_bandwidth_of(runner.device, hbm_bandwidth)
+    floor = None if bandwidth is None else hardware_floor(runner, weights, bandwidth)
     rows: list[StepProfile] = []
     try:
         for batch in batch_sizes:
-            rows += _profile_batch(engine, prompt_ids, batch, new_tokens, steps, warmup)
+            rows += _profile_batch(engine, prompt_ids, batch, new_tokens, steps, warmup, floor)
     finally:
         engine.close()
-    return ProfileRun(str(model_dir), str(engine.runner.device),
-                      str(engine.runner.kv_cache.dtype).removeprefix("torch."), strategy,
+    return ProfileRun(str(model_dir), str(runner.device),
+                      str(runner.kv_cache.dtype).removeprefix("torch."), strategy,
                       len(prompt_ids), rows, tensor_parallel, engine.async_scheduling,
-                      enforce_eager)
+                      enforce_eager, runner.attention.name, weights, bandwidth)
+
+
+def _import_triton_for(device: str) -> None:
+    """Triton fixes at import whether it interprets (the CPU) or compiles: import it for the
+    engine's device before the tokenizer's transformers does (compiled, via torch._dynamo)."""
+    from engine.kernels.triton_setup import TritonUnavailable, import_triton
+    from engine.models.loader import resolve_device
+
+    with contextlib.suppress(TritonUnavailable, ValueError):  # the engine's start says why
+        import_triton(resolve_device(device))
+
+
+@dataclass(frozen=True)
+class HardwareFloor:
+    """A step's unavoidable HBM traffic, as time: the weights once, each sequence's K/V once."""
+
+    weight_bytes: int
+    kv_bytes_per_position: int  # K and V of one position in one layer
+    windows: tuple[int | None, ...]  # per layer (None: full attention)
+    bytes_per_s: float
+
+    def kv_bytes(self, contexts: Iterable[float]) -> float:
+        """K/V a step reads for sequences of these contexts (a windowed layer: its window)."""
+        return self.kv_bytes_per_position * sum(
+            c if w is None else min(c, w) for c in contexts for w in self.windows)
+
+    def ms(self, contexts: Iterable[float]) -> float:
+        return 1000 * (self.weight_bytes + self.kv_bytes(contexts)) / self.bytes_per_s
+
+
+def hbm_bandwidth_of(device: torch.device, override: float | None = None) -> float | None:
+    """Bytes/s: `override`, else HBM_BANDWIDTH's entry for this CUDA card; None (no floor) on
+    the CPU or a card not in the table."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    matches = [key for key in HBM_BANDWIDTH if key in name]
+    return HBM_BANDWIDTH[max(matches, key=len)] if matches else None
+
+
+def hardware_floor(runner, weights: int, bytes_per_s: float) -> HardwareFloor:
+    """The floor of `runner`'s steps: `weights` bytes, and K/V positions as its rank's KV pool
+    holds them ([tensors, 2, slots, kv_heads, head_dim])."""
+    pool = runner.kv_cache
+    return HardwareFloor(weights, 2 * pool.shape[-2] * pool.shape[-1] * pool.element_size(),
+                         tuple(runner.spec.windows), bytes_per_s)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """What a step reads of the model: its parameters and persistent buffers (int8 weights),
+    and the tensors packed CPU linears keep as plain attributes (engine/models/linear.py);
+    each tensor once (tied weights share one Parameter)."""
+    tensors: dict[int, int] = {}
+    for module in model.modules():
+        buffers = [b for name, b in module._buffers.items()
+                   if name not in module._non_persistent_buffers_set]
+        for t in [*module._parameters.values(), *buffers, *vars(module).values()]:
+            if isinstance(t, torch.Tensor):
+                tensors[id(t)] = t.numel() * t.element_size()
+    return sum(tensors.values())
 
 
 def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, steps: int,
-                   warmup: int) -> list[StepProfile]:
+                   warmup: int, floor: HardwareFloor | None = None) -> list[StepProfile]:
     from engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -167,19 +282,46 @@ def _profile_batch(engine, prompt_ids: list[int], batch: int, new_tokens: int, s
     for _ in range(warmup):
         engine.step()
     decode = _phase_steps(engine, sync, is_prefill=False, count=steps)
+    before = _lengths(engine)
     step_ms = _served_step_ms(engine, sync, steps)
+    decode_contexts = _median_step(before, _lengths(engine))  # the step_ms pass's
     decode_busy = mixed_busy = (None, ())
     if sync is not None:
         decode_busy = device_busy(lambda: [engine.step() for _ in range(steps)], steps)
+    before = _lengths(engine)
     mixed = _mixed_steps(engine, prompt_ids, params, sync, steps)
+    mixed_contexts = _median_step(before, _lengths(engine))  # the decodes beside the prompt
     if sync is not None:  # a second pass: the profiler's callbacks would slow the one timed
         mixed_busy = device_busy(lambda: _mixed_steps(engine, prompt_ids, params, None, steps),
                                  steps)
     for request_id in ids:
         engine.abort(request_id)
+    decode_row = _row("decode", batch, decode, step_ms, *decode_busy)
+    mixed_row = _row("mixed", batch + 1, mixed, None, *mixed_busy)
+    # the new prompt's chunk: the step's tokens but the decodes' one each
+    chunk = mixed_row.tokens - len(mixed_contexts)
     return [_row("prefill", batch, prefill, None),
-            _row("decode", batch, decode, step_ms, *decode_busy),
-            _row("mixed", batch + 1, mixed, None, *mixed_busy)]
+            _with_floor(decode_row, decode_contexts, floor),
+            _with_floor(mixed_row, [*mixed_contexts, chunk], floor)]
+
+
+def _lengths(engine) -> dict[int, int]:
+    """Each running sequence's tokens (prompt and generated so far), by sequence id."""
+    return {seq.seq_id: seq.num_tokens for seq in engine.scheduler.running}
+
+
+def _median_step(before: dict[int, int], after: dict[int, int]) -> list[float]:
+    """Each sequence's context at the median step of a pass that grew it from `before` to
+    `after`: a step reads its sequence's length then (its new token's K/V included), so the
+    pass's steps read before .. after - 1. Measured rather than derived from the step count:
+    chunked prefill leaves the batch's sequences some tokens apart."""
+    return [(before[seq] + after[seq] - 1) / 2 for seq in before if seq in after]
+
+
+def _with_floor(row: StepProfile, contexts: list[float],
+                floor: HardwareFloor | None) -> StepProfile:
+    return replace(row, kv_tokens=sum(contexts),
+                   floor_ms=None if floor is None else floor.ms(contexts))
 
 
 def _mixed_steps(engine, prompt_ids: list[int], params, sync: Callable[[], None] | None,
@@ -252,6 +394,10 @@ def _served_step_ms(engine, sync: Callable[[], None] | None, steps: int) -> floa
     if sync is not None:
         sync()
     return 1000 * statistics.median(times)
+
+
+def _cell(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _row(kind: str, batch: int, measured: list[MeasuredStep], step_ms: float | None,

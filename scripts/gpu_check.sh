@@ -49,6 +49,16 @@
 # tokens); each side's req/s, errors and KV pool in summary.txt, with vLLM's published figure
 # (not measured here), and peers.json. Bounded at 280 s (with the model: alone in a call, or
 # after CHECKS=tests).
+# CHECKS=kernels: issue #51's attention kernels against the hardware floor: `bench profile` of
+# the first preset with --attention-backend triton and then flex, KERNEL_PROMPTS="200 1000"
+# tokens, decode at KERNEL_BATCHES=8,32 (and a prompt admitted beside them), graphs on; one
+# summary line per row: the backend used, step and device-busy ms, the floor (weights + K/V
+# read, at the card's HBM bandwidth) and step/floor (#51: 1B decode at batch 32 <= 2x), and
+# kernels-*.json. 4 profiles of ~40-70 s (a wide profile's ~35 s, plus the kernels' compiles),
+# each bounded at 110 s: alone in a call with the model (~3-5 min). KERNEL_HBM=TB/s sets the
+# bandwidth where the card is not in benchmark/profile.py's table (no floor on the CPU).
+# Rehearse on CPU with KERNEL_PROMPTS=20 KERNEL_BATCHES=2 KERNEL_STEPS=2 KERNEL_HBM=0.05
+# (triton runs interpreted there: slow; ~20 s in all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu-carry
@@ -128,7 +138,8 @@ if torch.cuda.is_available():
 # (whole-step and piecewise) captured, checked and exact per strategy, every strategy and backend against generate,
 # FlexAttention against the reference in bf16 (and where a window slid past more pages than
 # the pool holds) and compiled at start-up, and nothing compiled
-# in served steps after it (the sweeps' stalls, found on CPU).
+# in served steps after it (the sweeps' stalls, found on CPU); the Triton paged attention kernel
+# compiled against dense attention, and an engine through it with graphs against generate.
 want tests && step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
     "tests/test_async_scheduling.py::test_planned_ahead_on_cuda_gives_generate_greedy_tokens" \
     "tests/test_padded_decode.py::test_cuda_graphs_are_captured_checked_and_exact" \
@@ -137,7 +148,9 @@ want tests && step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider ${P
     "tests/test_attention_backends.py::test_flex_matches_reference_on_gpu_bf16" \
     "tests/test_attention_backends.py::test_flex_on_gpu_compiles_at_start_up_not_while_serving" \
     "tests/test_attention_backends.py::test_a_window_slid_past_more_pages_than_the_pool_holds" \
-    "tests/test_attention_warm_up.py::test_served_steps_compile_nothing_in_a_fresh_process[cuda]"
+    "tests/test_attention_warm_up.py::test_served_steps_compile_nothing_in_a_fresh_process[cuda]" \
+    "tests/test_attention_triton.py::test_compiled_kernel_on_cuda_matches_dense_attention" \
+    "tests/test_attention_triton.py::test_cuda_engine_with_graphs_gives_generate_greedy_tokens"
 want tests && grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/log.txt" | tail -1 \
     >> "$OUT/summary.txt"
 
@@ -212,6 +225,32 @@ import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     print(f"{sys.argv[2]}: {r['kind']} batch {r['batch']} tokens {r['tokens']} step "
           f"{r['step_ms']:.2f} ms busy {r['device_busy_ms']} graphs {r['graph_share']:.0%}")
+EOF
+        done
+    done
+fi
+if want kernels; then  # #51: each attention backend's steps against the hardware floor
+    random_model "$first"
+    rm -rf /tmp/gpu-check-kernels  # a failed profile must not report an older run's rows
+    for tokens in ${KERNEL_PROMPTS:-200 1000}; do
+        for backend in ${KERNEL_BACKENDS:-triton flex}; do
+            name=kernels-$tokens-$backend
+            step "$name" 110 "$PY" -m handler.cli bench profile --model-dir "$model" --device \
+                "$DEVICE" --dtype "$dtype" --batch-sizes "${KERNEL_BATCHES:-8,32}" \
+                --steps "${KERNEL_STEPS:-20}" --prompt-tokens "$tokens" \
+                --attention-backend "$backend" ${KERNEL_HBM:+--hbm-bandwidth "$KERNEL_HBM"} \
+                --out "/tmp/gpu-check-kernels/$name"
+            cp "/tmp/gpu-check-kernels/$name/profile.json" "$OUT/$name.json" 2> /dev/null
+            "$PY" - "$OUT/$name.json" "$name" >> "$OUT/summary.txt" 2>> "$OUT/log.txt" <<'EOF'
+import json, sys
+run = json.load(open(sys.argv[1]))
+def cell(value, digits):
+    return "-" if value is None else f"{value:.{digits}f}"
+for r in run["rows"]:
+    print(f"{sys.argv[2]}: {run['attention_backend']} {r['kind']} batch {r['batch']} tokens "
+          f"{r['tokens']} step {r['step_ms']:.3f} ms busy {cell(r['device_busy_ms'], 3)} ms "
+          f"floor {cell(r['floor_ms'], 3)} ms ratio {cell(r['floor_ratio'], 2)} "
+          f"graphs {r['graph_share']:.0%}")
 EOF
         done
     done

@@ -30,9 +30,12 @@ def test_every_test_it_runs_is_collected() -> None:
 
 def test_every_bench_option_it_passes_exists() -> None:
     lines = SCRIPT.read_text().replace("\\\n", " ").splitlines()
-    used = {command: set(re.findall(r"(--[\w-]+)", line.split(f"bench {command}", 1)[1]))
-            for line in lines for command in ("random-model", "profile", "sweep", "peers")
-            if f"bench {command}" in line}
+    used: dict[str, set[str]] = {}
+    for line in lines:  # every line that runs a command (a command runs on several lines)
+        for command in ("random-model", "profile", "sweep", "peers"):
+            if f"bench {command}" in line:
+                flags = re.findall(r"(--[\w-]+)", line.split(f"bench {command}", 1)[1])
+                used.setdefault(command, set()).update(flags)
     assert set(used) == {"random-model", "profile", "sweep", "peers"} and all(used.values())
     for command, flags in used.items():
         help_text = subprocess.run([sys.executable, "-m", "handler.cli", "bench", command, "-h"],
@@ -89,6 +92,27 @@ def test_every_check_it_knows_is_documented_in_its_header() -> None:
     default = re.search(r'default "([\w ]+)"', header)[1].split()
     for name in checks - set(default):
         assert f"CHECKS={name}" in header, f"CHECKS={name} is not documented"
+
+
+def test_the_kernels_check_profiles_triton_then_flex_within_a_device_call() -> None:
+    """CHECKS=kernels: a profile per prompt length and attention backend (each one the engine
+    knows), bounded so that they and the model fit a 600 s call; the CUDA tests include the
+    Triton kernel's."""
+    from engine.config import ATTENTION_BACKENDS
+
+    text = SCRIPT.read_text()
+    block = text.split("if want kernels; then", 1)[1].split("\nfi\n", 1)[0]
+    backends = re.search(r"KERNEL_BACKENDS:-([\w ]+)\}", block)[1].split()
+    prompts = re.search(r"KERNEL_PROMPTS:-([\d ]+)\}", block)[1].split()
+    assert backends == ["triton", "flex"] and set(backends) <= set(ATTENTION_BACKENDS)
+    assert '--attention-backend "$backend"' in block and "KERNEL_BATCHES:-8,32" in block
+    limit = int(re.search(r'step "\$name" (\d+) ', block)[1])
+    model_limit = int(re.search(r'step "model-\$1" (\d+) ', text)[1])
+    env_limit = int(re.search(r"step env (\d+) ", text)[1])
+    assert env_limit + model_limit + limit * len(backends) * len(prompts) <= 570
+    for test in ("test_compiled_kernel_on_cuda_matches_dense_attention",
+                 "test_cuda_engine_with_graphs_gives_generate_greedy_tokens"):
+        assert f'"tests/test_attention_triton.py::{test}"' in text
 
 
 def test_the_peers_check_runs_batchyard_against_hf_cb_on_one_budget() -> None:

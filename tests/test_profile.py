@@ -6,11 +6,13 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from benchmark import profile
 from benchmark.cli import main as bench_main
 from benchmark.device_time import kernel_time
-from benchmark.profile import ProfileRun, StepProfile, run_profile
+from benchmark.profile import HardwareFloor, ProfileRun, StepProfile, run_profile
 from engine.observe.phases import PHASES, StepPhases
 from tests.engine_harness import Req, drive, greedy, make_engine
 from tests.models_fixtures import build_tiny_model
@@ -60,21 +62,68 @@ def test_profile_reports_prefill_and_decode_per_batch_size(model_dir) -> None:
         detokenize_us = 1000 * row.phases_ms["detokenize"] / row.batch
         assert row.core_us_per_seq == pytest.approx(row.host_us_per_seq - detokenize_us)
     assert run.device == "cpu" and run.dtype == "float32"
+    # the backend its steps used; no HBM bandwidth on the CPU, so no floor
+    assert run.attention_backend in ("cpu_paged", "reference")
+    assert run.hbm_bytes_per_s is None and all(r.floor_ms is None for r in run.rows)
+    assert all(r.floor_ratio is None for r in run.rows)
+
+
+def test_the_floor_reads_the_weights_once_and_each_sequences_kv(model_dir) -> None:
+    """floor_ms = (weights + K/V of every sequence's context) / bandwidth; on the tiny model
+    (2 layers, 2 KV heads of 16, float32: 512 bytes of K and V per position) whose weights
+    are its checkpoint's bytes, at 1 GB/s."""
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        checkpoint = sum(f.get_tensor(k).numel() * 4 for k in f.keys())
+    run = run_profile(model_dir, [2], steps=2, warmup=0, dtype="float32", device="cpu",
+                      attention_backend="reference", hbm_bandwidth=1e9)
+    assert run.attention_backend == "reference" and run.hbm_bytes_per_s == 1e9
+    assert run.weight_bytes == checkpoint
+    prefill, decode, mixed = run.rows
+    p = run.prompt_tokens
+    # after the prefill step (P + 1 tokens), the decode that ends the prefill pass and the
+    # 2 phase-split steps, the timed pass reads P + 4 and P + 5 positions per sequence
+    assert decode.kv_tokens == 2 * (p + 4.5)
+    # the mixed pass's decodes read P + 6 and P + 7; the new prompt's chunk, its P
+    assert mixed.kv_tokens == 2 * (p + 6.5) + p
+    assert prefill.floor_ms is None  # compute bounds a prefill, not bandwidth
+    for row in (decode, mixed):
+        assert row.floor_ms == pytest.approx(1000 * (checkpoint + 512 * row.kv_tokens) / 1e9)
+        assert row.floor_ratio == pytest.approx(row.step_ms / row.floor_ms)
+
+
+def test_windowed_layers_read_at_most_their_window() -> None:
+    floor = HardwareFloor(1000, 10, (None, 4), 1e6)
+    assert floor.kv_bytes([3, 8]) == 10 * ((3 + 8) + (3 + 4))
+    assert floor.ms([3, 8]) == pytest.approx(1000 * (1000 + 180) / 1e6)
+
+
+@pytest.mark.parametrize(("name", "bandwidth"), [
+    ("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12),
+    ("NVIDIA H200", 4.8e12), ("Tesla T4", None)])
+def test_the_bandwidth_comes_from_the_cards_name(monkeypatch, name, bandwidth) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert profile.hbm_bandwidth_of(torch.device("cuda", 0)) == bandwidth
+    assert profile.hbm_bandwidth_of(torch.device("cuda", 0), 1e12) == 1e12  # an override wins
+    assert profile.hbm_bandwidth_of(torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("ahead", ["false", "true"])
 def test_bench_profile_writes_its_table_and_json(model_dir, tmp_path, capsys, ahead) -> None:
     code = bench_main(["profile", "--model-dir", str(model_dir), "--batch-sizes", "2",
                        "--steps", "2", "--warmup", "0", "--dtype", "float32", "--device", "cpu",
-                       "--async-scheduling", ahead, "--out", str(tmp_path)])
+                       "--async-scheduling", ahead, "--attention-backend", "reference",
+                       "--hbm-bandwidth", "0.001", "--out", str(tmp_path)])
     assert code == 0
     assert "| decode | 2 | 2 |" in capsys.readouterr().out
     data = json.loads((tmp_path / "profile.json").read_text())
     assert [r["kind"] for r in data["rows"]] == ["prefill", "decode", "mixed"]
+    assert data["attention_backend"] == "reference" and data["hbm_bytes_per_s"] == 1e9  # TB/s
+    assert data["rows"][0]["floor_ratio"] is None and data["rows"][1]["floor_ratio"] > 0
     assert data["async_scheduling"] is (ahead == "true")
     text = (tmp_path / "profile.md").read_text()
     assert "host us/seq | core us/seq" in text and "core_us_per_seq" in data["rows"][1]
     assert "host us/seq" in text and f"scheduling {'on' if ahead == 'true' else 'off'}" in text
+    assert "attention reference, floor at 0.001 TB/s" in text and "| floor ms | floor x |" in text
 
 
 def test_profile_takes_a_synthetic_prompt_and_says_which_steps_replayed_a_graph(
@@ -139,11 +188,34 @@ def test_on_a_device_decode_and_mixed_rows_carry_their_kernel_time(model_dir,
     assert mixed.top_kernels == (("gemm", 900.0, 16.0),)
 
 
+def test_triton_is_imported_for_the_engines_device_before_the_tokenizer(model_dir,
+                                                                        monkeypatch) -> None:
+    """Triton interprets or compiles from its first import on, and transformers' tokenizer
+    imports it (compiled, through torch._dynamo): asked for triton, the profile imports it for
+    the engine's device first (here stood in, and stopped before the engine starts)."""
+    from engine.kernels import triton_setup
+
+    def tokenizer(*args, **kwargs):
+        raise RuntimeError("stop")
+
+    imported = []
+    monkeypatch.setattr(triton_setup, "import_triton", imported.append)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", tokenizer)
+    with pytest.raises(RuntimeError, match="stop"):
+        run_profile(model_dir, [1], device="cpu", attention_backend="triton")
+    assert imported == [torch.device("cpu")]
+
+
 def test_bench_profile_refuses_bad_batch_sizes(capsys) -> None:
     assert bench_main(["profile", "--batch-sizes", "0"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
     assert bench_main(["profile", "--prompt-tokens", "1"]) == 2
     assert "--prompt-tokens must be >= 2, got 1" in capsys.readouterr().err
+    assert bench_main(["profile", "--hbm-bandwidth", "0"]) == 2
+    assert "--hbm-bandwidth must be > 0 (TB/s), got 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main(["profile", "--attention-backend", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
 
 
 def test_a_cuda_profile_lists_the_largest_decode_and_mixed_batchs_kernels(tmp_path) -> None:
