@@ -92,7 +92,9 @@ class LLMEngine:
         """Load tokenizer and weights, size the KV pool, build the strategy's scheduler."""
         # Imported here so that `import engine` (the handler choosing a strategy) skips torch.
         from engine.models.loader import eos_token_ids
-        from engine.runner.setup import build_rank_zero
+        from engine.runner.setup import build_rank_zero, settle_triton_mode
+
+        settle_triton_mode(config)  # before anything imports torch's compiler (a tokenizer)
 
         # Before the rank: its first load imports transformers modules that register pytree
         # types, and compiled attention graphs guard on their number

@@ -7,7 +7,11 @@ fallback, and engines serving transformers' greedy tokens through it."""
 from __future__ import annotations
 
 import logging
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,3 +311,27 @@ def test_cuda_engine_with_graphs_gives_generate_greedy_tokens(tiny, batching) ->
     drive(engine, reqs)
     assert [r.tokens for r in reqs] == refs
     assert engine.runner.padded_decode.steps > 0
+
+
+def test_a_fresh_process_settles_the_interpreter_before_the_tokenizer_imports_triton(
+        tiny) -> None:
+    """Outside this test session (whose conftest chooses the interpreter), loading a tokenizer
+    imports torch's compiler, which imports Triton compiled: the engine settles Triton's mode
+    for its device first, so `triton` on the CPU starts and serves."""
+    path, prompts, new_tokens, refs = tiny
+    script = (
+        "import sys; from engine import EngineConfig, LLMEngine, SamplingParams\n"
+        f"engine = LLMEngine.from_config(EngineConfig(model={str(path)!r}, batching='paged', "
+        "max_num_seqs=2, device='cpu', dtype='float32', attention_backend='triton', "
+        "max_model_len=96))\n"
+        f"engine.add_request('r', {prompts[0]!r}, SamplingParams(max_new_tokens="
+        f"{new_tokens[0]}, min_new_tokens={new_tokens[0]}))\n"
+        "tokens = []\n"
+        "while engine.has_unfinished():\n"
+        "    tokens += [e.token_id for e in engine.step() if e.token_id is not None]\n"
+        "print(engine.runner.attention.name, tokens)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, cwd=Path(__file__).parent.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == f"triton {refs[0]}"

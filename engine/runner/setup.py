@@ -13,6 +13,7 @@ import torch
 
 from engine.attention.select import select_attention_backend
 from engine.config import EngineConfig
+from engine.kernels.triton_setup import TritonUnavailable, import_triton
 from engine.kv.budget import KVPlan, default_budget_bytes, plan_kv
 from engine.kv.layout import kv_layout
 from engine.lora.errors import AdapterError
@@ -40,6 +41,19 @@ class RankSetup:
     spec: ModelSpec  # what this rank holds (its heads); vocab_size is the whole vocabulary
     kv: KVPlan
     max_model_len: int
+
+
+def settle_triton_mode(config: EngineConfig) -> None:
+    """Import Triton for this engine's device now, when its kernels will run (the triton
+    attention backend): Triton fixes at its first import whether it compiles or interprets
+    (engine/kernels/triton_setup.py), and loading a tokenizer imports torch's compiler, which
+    imports Triton compiled. Failures are select_attention_backend's to report."""
+    if config.attention_backend != "triton":
+        return
+    try:
+        import_triton(resolve_device(config.device))
+    except TritonUnavailable:
+        pass
 
 
 def rank_device(config: EngineConfig, shard: Shard) -> torch.device:
