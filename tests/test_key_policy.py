@@ -22,9 +22,9 @@ def resolve(text: str = "", env: dict | None = None, model_dir: Path = Path("/mo
 @pytest.mark.parametrize(("line", "instead"), [
     ("option.quantize=awq", "option.dtype"),
     ("option.quantize=fp8", "int8"),
-    ("option.enable_lora=true", "merge"),
-    ("option.max_loras=4", "merge"),
-    ("option.max_lora_rank=16", "merge"),
+    ("option.lora_dtype=float16", "base model's dtype"),
+    ("option.long_lora_scaling_factors=3.0", "option.max_lora_rank"),
+    ("option.adapters=a", "<model dir>/adapters"),
     ("option.enable_streaming=true", "output_formatter=jsonlines"),
     ("option.device_map=balanced", "option.device"),
     ("option.task=text-embedding", "text-generation"),
@@ -45,7 +45,8 @@ def test_quantize_from_tgi_env_is_refused_too() -> None:
         resolve(env={"HF_MODEL_QUANTIZE": "bitsandbytes"})
 
 
-@pytest.mark.parametrize("line", ["option.enable_lora=false", "option.quantize=",
+@pytest.mark.parametrize("line", ["option.enable_lora=false", "option.lora_dtype=auto",
+                                  "option.quantize=",
                                   "option.quantize=none", "option.quantize=int8",
                                   "option.enable_streaming=false", "engine=MPI",
                                   "option.device_map=auto", "option.task=text-generation"])

@@ -55,16 +55,22 @@ NO_OP_KEYS: dict[str, NoOp] = {
     "load_on_devices": NoOp(_ONE_DEVICE),
 }
 
-_LORA = ("LoRA adapters are not supported: merge the adapter into the base weights (peft "
-         "merge_and_unload) and serve the merged model")
+_LORA = ("batchyard serves LoRA adapters with option.enable_lora, option.max_loras, "
+         "option.max_lora_rank and option.max_cpu_loras only")
 REFUSED_KEYS: dict[str, Refused] = {
     "option.enable_streaming": Refused(
         "stream per request with \"stream\": true (or Accept: application/jsonlines), or every "
         "response with option.output_formatter=jsonlines", frozenset({"false"})),
-    "option.enable_lora": Refused(_LORA, frozenset({"false"})),
-    **{f"option.{k}": Refused(_LORA) for k in (
-        "max_loras", "max_lora_rank", "max_cpu_loras", "lora_extra_vocab_size", "lora_dtype",
-        "fully_sharded_loras", "long_lora_scaling_factors", "adapters")},
+    # the values that change nothing here are accepted: adapters run in the base dtype, with
+    # no embedding LoRA (extra vocabulary) and no long-context scaling
+    "option.lora_dtype": Refused(f"{_LORA}; adapters run in the base model's dtype",
+                                 frozenset({"auto"})),
+    "option.lora_extra_vocab_size": Refused(f"{_LORA}; adapters that add tokens are refused",
+                                            frozenset({"0", "256"})),
+    "option.fully_sharded_loras": Refused(_LORA, frozenset({"false"})),
+    "option.long_lora_scaling_factors": Refused(_LORA),
+    "option.adapters": Refused("put adapters in <model dir>/adapters/<name>/ or list them in "
+                               "option.lora_modules (name=/folder,...)"),
     "option.speculative_draft_model": Refused("speculative decoding is not supported; remove "
                                               "the key"),
     "option.pipeline_parallel_degree": Refused(f"{_ONE_DEVICE}; remove the key",

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from engine import QUANTIZATIONS
+from engine.config import MAX_LORA_RANKS
 from handler.config.lmi_options import (
     BUILTIN_ENTRY_POINTS,
     INPUT_FORMATTERS,
@@ -108,6 +109,35 @@ def _formatter(r: Reader, key: Key, builtins: tuple[str, ...]) -> str:
     return check_formatter(key.name, value, builtins, r.settings[key.name].source)
 
 
+def enable_lora(r: Reader, key: Key) -> bool:
+    """On when set true, or when adapters are given (TGI's LORA_ADAPTERS alone turns it on)."""
+    if r.raw(key.name) is None:
+        return bool(r.raw("option.lora_modules"))
+    return r.flag(key.name, key.default)
+
+
+def lora_rank(r: Reader, key: Key) -> int:
+    """The slots' rank: one of vLLM's values (LMI passes the key to vLLM)."""
+    allowed = {str(rank): str(rank) for rank in MAX_LORA_RANKS}
+    return int(r.choice(key.name, str(key.default), allowed))
+
+
+def lora_modules(r: Reader, key: Key) -> tuple[tuple[str, str], ...]:
+    """`name=/folder,...` (TGI's LORA_ADAPTERS form); hub ids are refused: nothing is
+    downloaded from a model hub."""
+    value = r.raw(key.name) or ""
+    modules = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip().startswith("/"):
+            r.fail(key.name, "name=/absolute/folder pairs separated by commas (adapters are "
+                   "read from local folders, never downloaded from a hub)")
+        modules.append((name.strip(), path.strip()))
+    if len({name for name, _ in modules}) != len(modules):
+        r.fail(key.name, "each adapter name once")
+    return tuple(modules)
+
+
 # Rules that span keys: run once every key is read, with every resolved value by key name.
 
 def one_batching(r: Reader, values: Mapping[str, Any]) -> None:
@@ -134,3 +164,13 @@ def nice_needs_a_core_process(r: Reader, values: Mapping[str, Any]) -> None:
     if values["option.api_server_nice"] and not values["option.engine_process"]:
         r.fail("option.api_server_nice", "auto or 0 with option.engine_process=false (the "
                "engine core then runs on a thread of the HTTP process and would slow down too)")
+
+
+def lora_limits(r: Reader, values: Mapping[str, Any]) -> None:
+    """max_cpu_loras keeps at least max_loras adapters read; adapters need LoRA on."""
+    cpu, slots = values["option.max_cpu_loras"], values["option.max_loras"]
+    if cpu is not None and cpu < slots:
+        r.fail("option.max_cpu_loras", f"an integer >= option.max_loras={slots}")
+    if values["option.lora_modules"] and not values["option.enable_lora"]:
+        r.refuse("option.lora_modules", "adapters are given with option.enable_lora=false; "
+                 "set it to true or remove the adapters")

@@ -108,6 +108,14 @@ KEYS: tuple[Key, ...] = (
     Key("option.quantize", ("engine.quantize",), None, custom.quantize,
         env=("HF_MODEL_QUANTIZE",)),
     Key("option.seed", ("engine.seed",), 0, integer(0)),
+    # LoRA adapters (<model dir>/adapters/<name>/ are added at start-up: serving_config.py)
+    Key("option.enable_lora", ("engine.enable_lora",), False, custom.enable_lora),
+    Key("option.max_loras", ("engine.max_loras",), 4, integer()),
+    Key("option.max_lora_rank", ("engine.max_lora_rank",), 16, custom.lora_rank),
+    Key("option.max_cpu_loras", ("engine.max_cpu_loras",), None, integer(),
+        check=custom.lora_limits),
+    Key("option.lora_modules", ("engine.lora_modules",), (), custom.lora_modules,
+        env=("LORA_ADAPTERS",)),
     # paged batching and the KV pool
     Key("option.block_size", ("engine.block_size",), 16, integer(), logged=PAGED),
     Key("option.enable_chunked_prefill", ("engine.enable_chunked_prefill",), True, flag,

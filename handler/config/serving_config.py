@@ -16,6 +16,7 @@ from handler.config.keys import BY_NAME, KEYS, PAGED_VALUES, read_keys, values_o
 from handler.config.lmi_options import LmiOptions
 from handler.config.reader import Reader
 from handler.config.setting import ConfigError, Setting
+from handler.model_source.adapters import AdapterPathError, startup_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
     # max_rolling_batch_size bounds the rolling strategies; dynamic batches batch_size requests
     engine["max_num_seqs"] = {"none": 1, "dynamic": values["batch_size"]}.get(
         strategy, engine["max_num_seqs"])
+    if engine["enable_lora"]:  # LMI's layout: <model dir>/adapters/<name>/, each by its name
+        engine["lora_modules"] = _with_folder_adapters(engine["lora_modules"], model_dir)
     try:
         engine_config = EngineConfig(model=str(model_dir), batching=strategy, **engine)
     except ValueError as err:
@@ -102,6 +105,21 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
         lmi.update(tgi_compat=True, output_formatter="tgi")
     return ServingConfig(engine=engine_config, strategy_reason=why, lmi=LmiOptions(**lmi),
                          settings=dict(settings), **values_of(values, ""))
+
+
+def _with_folder_adapters(given: tuple[tuple[str, str], ...], model_dir: Path
+                          ) -> tuple[tuple[str, str], ...]:
+    """option.lora_modules, then the model folder's adapters (an s3:// model's are added once
+    it is downloaded: handler/http/state.py); one name twice is refused."""
+    try:
+        found = startup_adapters(model_dir)
+    except AdapterPathError as err:
+        raise ConfigError(f"invalid adapter in the model folder: {err}") from err
+    twice = sorted({name for name, _ in given} & {name for name, _ in found})
+    if twice:
+        raise ConfigError(f"invalid option.lora_modules: adapter {twice[0]!r} is also in "
+                          f"{model_dir}/adapters; give each name once")
+    return (*given, *found)
 
 
 def _shown(value: object) -> str:

@@ -11,6 +11,7 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from handler.http import sagemaker_runtime
+from handler.http.adapter_routes import add_adapter_routes
 from handler.http.chat_route import serve_chat
 from handler.http.completions import models, openai_error
 from handler.http.generate_route import serve_generate
@@ -55,7 +56,10 @@ def create_app(state: ServerState) -> Flask:
 
     @app.get("/v1/models")
     def list_models():
-        return _json(models(state.model_name, state.started), 200)
+        adapters = state.engine.adapters() if state.ready() and state.runner is None else []
+        return _json(models(state.model_name, state.started, adapters), 200)
+
+    add_adapter_routes(app, state)  # DJL's, SageMaker's and vLLM's adapter registration
 
     # The SageMaker runtime paths: boto3's invoke_endpoint(_with_response_stream) with
     # endpoint_url pointing at this server. Any endpoint name is this server's model.

@@ -9,6 +9,7 @@ from typing import cast
 from flask import Response
 
 from engine import RequestError, TokenEvent
+from handler.http.adapters import openai_adapter, with_adapters
 from handler.http.chat import (
     ChatRequest,
     chat_chunk,
@@ -44,6 +45,8 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
     if "messages" not in body:
         raise bad_request("field messages is required")
     chat = parse_chat(body, wants_stream=wants_stream)
+    adapter = openai_adapter(state, body.get("model"))
+    model = adapter or state.model_name  # vLLM answers with the adapter's name
     admit(state, chat.n)
     engine = state.engine
     takes_tools = engine.template_takes_tools
@@ -53,7 +56,8 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
     except RequestError as err:
         raise bad_request(str(err)) from err
     try:
-        handles = submit(state, [prompt] * chat.n, each_choice(chat.params, chat.n),
+        handles = submit(state, [prompt] * chat.n,
+                         with_adapters(each_choice(chat.params, chat.n), [adapter] * chat.n),
                          stream=chat.stream)
     except HTTPError as err:
         if err.code == 400:  # e.g. the length limit, in the chat body's field names
@@ -61,17 +65,16 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
         raise
     if chat.stream:
         handle, index = one_stream(handles)
-        line_of, streams = _chunks(state, chat, index, sse)
+        line_of, streams = _chunks(state, chat, index, sse, model)
         trailer = (lambda _: usage_chunk(chat.completion_id, "chat.completion.chunk",
-                                         chat.created, state.model_name,
+                                         chat.created, model,
                                          # each choice's final event: the group ended well
                                          [cast(TokenEvent, s.last) for s in streams])
                    ) if chat.include_usage else None
         return stream_response(line_of, handle, state, sse=sse, done_line=sse, start=start,
                                trailer=trailer, coalesce=True, direct=True)
     answers = collect_all(state, handles, start)
-    return Response(json.dumps(chat_completion(chat, state.model_name, answers,
-                                               decode=engine.decode)),
+    return Response(json.dumps(chat_completion(chat, model, answers, decode=engine.decode)),
                     status=200, mimetype="application/json")
 
 
@@ -162,10 +165,10 @@ def _merged(entries: list[dict]) -> list[dict]:
 
 
 def _chunks(state: ServerState, chat: ChatRequest, index: dict[str, int],
-            sse: bool) -> tuple[LineOf, list[ChoiceStream]]:
+            sse: bool, model: str) -> tuple[LineOf, list[ChoiceStream]]:
     """Each choice's chunks, in the order their events come: one line per event, holding
     the event's chunks, none while a tool call is being decided, or several."""
-    streams = [ChoiceStream(chat, state.model_name, state.engine.decode, i)
+    streams = [ChoiceStream(chat, model, state.engine.decode, i)
                for i in range(chat.n)]
 
     def line_of(event: TokenEvent) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from engine import TokenEvent
@@ -174,9 +174,12 @@ def usage_chunk(completion_id: str, obj: str, created: int, model: str,
             "choices": [], "usage": usage(last)}
 
 
-def models(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "batchyard"}]}
+def models(model: str, created: int, adapters: Sequence[tuple[str, str]] = ()) -> dict:
+    """The base model's card, then one per LoRA adapter (vLLM's: root its folder, parent the
+    base model)."""
+    base = {"id": model, "object": "model", "created": created, "owned_by": "batchyard"}
+    cards = [{**base, "id": name, "root": folder, "parent": model} for name, folder in adapters]
+    return {"object": "list", "data": [base, *cards]}
 
 
 def openai_error(err: HTTPError) -> dict:

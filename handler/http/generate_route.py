@@ -8,6 +8,7 @@ import itertools
 from flask import Response
 
 from engine import TokenEvent
+from handler.http.adapters import each_adapter, with_adapters
 from handler.http.direct_stream import LineOf
 from handler.http.generation import (
     JSONLINES,
@@ -36,7 +37,8 @@ def serve_generate(state: ServerState, body: dict, accept: str, start: float) ->
     admit(state, len(gen.inputs))
     with engine_errors():  # a prompt too long to tokenize
         prompts = [state.engine.encode(text, truncate=gen.truncate) for text in gen.inputs]
-    handles = submit(state, prompts, gen.params, stream=gen.stream)
+    params = with_adapters(gen.params, each_adapter(gen.adapters))
+    handles = submit(state, prompts, params, stream=gen.stream)
     decode = state.engine.decode
     if gen.stream:
         reshaped = name == "tgi" or formatters.output_fn is not None

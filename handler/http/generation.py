@@ -21,7 +21,9 @@ from engine import (
     RequestHandle,
     SamplingParams,
     TokenEvent,
+    UnknownAdapter,
 )
+from handler.http.adapters import adapter_of, remember
 from handler.http.choices import HandleGroup
 from handler.http.direct_stream import DirectWriter, LineOf, direct_socket
 from handler.http.schemas import (
@@ -35,6 +37,7 @@ from handler.http.schemas import (
     token_dict,
     token_line,
     top_tokens,
+    unknown_adapter,
 )
 from handler.http.state import ServerState
 
@@ -58,6 +61,7 @@ def submit(state: ServerState, prompts: list[list[int]],
                 for ids, p in zip(prompts, each, strict=True)]
     with engine_errors():
         handles = state.engine.submit_all(requests)
+    remember(handles, each)  # for the metrics' adapter label
     gone = client_gone_check(request.environ)
     if gone is not None:
         for handle in handles:
@@ -77,6 +81,8 @@ def engine_errors() -> Iterator[None]:
     """The engine boundary's refusals as HTTP errors."""
     try:
         yield
+    except UnknownAdapter as err:  # before RequestError, its base
+        raise unknown_adapter(err.adapter, str(err)) from err
     except RequestError as err:
         raise bad_request(str(err)) from err
     except QueueFullError as err:
@@ -136,7 +142,8 @@ def collect(state: ServerState, handle: RequestHandle, start: float) -> list[Tok
     status = error.code if error else 200
     if error is not None:
         state.metrics.on_abort(_abort_reason(handle, events[-1]))
-    state.metrics.on_request(status, handle.num_prompt_tokens, times, start, time.monotonic())
+    state.metrics.on_request(status, handle.num_prompt_tokens, times, start, time.monotonic(),
+                             adapter_of(handle))
     _log(handle, events[-1], start, times)
     if error is not None:
         error = HTTPError(error.code, error.type, error.message)  # CLIENT_GONE is shared
@@ -281,7 +288,7 @@ def _end_stream(handle: RequestHandle | HandleGroup, state: ServerState, written
         state.metrics.on_abort(_abort_reason(handle, end))
     state.metrics.on_stream(written.writer)
     state.metrics.on_request(status, handle.num_prompt_tokens, written.times, start,
-                             time.monotonic())
+                             time.monotonic(), adapter_of(handle))
     if last is not None:
         _log(handle, last, start, written.times)
 

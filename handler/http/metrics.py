@@ -109,6 +109,17 @@ class Metrics:
             "Sequences of max_model_len tokens the KV pool holds at once", r)
         self.prefix_hit_rate = _gauge("batchyard_prefix_cache_hit_rate",
                                       "Prompt blocks found in the prefix cache / looked up", r)
+        # By LoRA adapter ("base": none); the plain counters above keep their one label set.
+        # At most `adapter_labels` names get a series of their own, later ones count as
+        # "other": adapters registered and removed at run time cannot grow the label set.
+        self.adapter_requests = Counter("batchyard_adapter_requests",
+                                        "Requests by LoRA adapter and HTTP status",
+                                        ["adapter", "status"], registry=r)
+        self.adapter_tokens = Counter("batchyard_adapter_tokens",
+                                      "Prompt and generated tokens by LoRA adapter",
+                                      ["adapter", "kind"], registry=r)
+        self.adapter_labels = 0  # set by the server: max_cpu_loras + adapters at start-up
+        self._adapter_seen: set[str] = set()
         self._gauges: Callable[[], Gauges] | None = None
 
     def watch(self, gauges: Callable[[], Gauges]) -> None:
@@ -131,9 +142,15 @@ class Metrics:
             self.preemptions.inc(stats.num_preemptions)
 
     def on_request(self, status: int, prompt_tokens: int, token_times: list[float],
-                   start: float, end: float) -> None:
-        """A finished request: its status, tokens and the monotonic times of its tokens."""
+                   start: float, end: float, adapter: str | None = None) -> None:
+        """A finished request: its status, tokens and the monotonic times of its tokens;
+        `adapter` its LoRA adapter (counted by adapter only where LoRA is on)."""
         self.requests.labels(str(status)).inc()
+        if self.adapter_labels:
+            label = self._adapter_label(adapter)
+            self.adapter_requests.labels(label, str(status)).inc()
+            self.adapter_tokens.labels(label, "prompt").inc(prompt_tokens)
+            self.adapter_tokens.labels(label, "generation").inc(len(token_times))
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(len(token_times))
         if token_times:
@@ -141,6 +158,14 @@ class Metrics:
             observe_all(self.itl, [after - before for before, after
                                    in zip(token_times, token_times[1:], strict=False)])
         self.e2e.observe(end - start)
+
+    def _adapter_label(self, adapter: str | None) -> str:
+        if not adapter:
+            return "base"
+        if adapter in self._adapter_seen or len(self._adapter_seen) < self.adapter_labels:
+            self._adapter_seen.add(adapter)  # under the GIL: a race costs one label at most
+            return adapter
+        return "other"
 
     def on_stream(self, writer: str) -> None:
         self.streams.labels(writer).inc()

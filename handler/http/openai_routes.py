@@ -7,6 +7,7 @@ import json
 from flask import Response
 
 from engine import RequestError, TokenEvent
+from handler.http.adapters import openai_adapter, with_adapters
 from handler.http.chat import each_choice
 from handler.http.choices import one_stream
 from handler.http.completions import (
@@ -23,19 +24,21 @@ from handler.http.state import ServerState
 
 def serve_completions(state: ServerState, body: dict, start: float) -> Response:
     req = parse_completion(body)
+    adapter = openai_adapter(state, body.get("model"))
     admit(state, len(req.prompts) * req.n)
     try:
         prompts = [state.engine.encode(p) for p in req.prompts]
     except RequestError as err:
         raise bad_request(completion_names(str(err))) from err
     try:
+        params = each_choice(req.params, req.n) * len(prompts)
         handles = submit(state, [ids for ids in prompts for _ in range(req.n)],
-                         each_choice(req.params, req.n) * len(prompts), stream=req.stream)
+                         with_adapters(params, [adapter] * len(params)), stream=req.stream)
     except HTTPError as err:
         if err.code == 400:  # e.g. the length limit, in the body's own field names
             err.message = completion_names(err.message)
         raise
-    model, decode = state.model_name, state.engine.decode
+    model, decode = adapter or state.model_name, state.engine.decode  # vLLM: the adapter's
     if req.stream:  # one prompt, n choices whose chunks interleave
         handle, index = one_stream(handles)
         lasts: dict[int, TokenEvent] = {}

@@ -9,11 +9,13 @@ from dataclasses import dataclass, replace
 from reprlib import Repr
 from typing import Any
 
+from flask import has_request_context, request
+
 from engine import MAX_TOP_LOGPROBS, RequestError, SamplingParams, TokenEvent
 from handler.http.structured import GUIDED_FIELDS, structured_spec
 
 MAX_LIST_INPUTS = 64
-GENERATE_FIELDS = {"inputs", "parameters", "stream"}  # LMI's and TGI's generate body
+GENERATE_FIELDS = {"inputs", "parameters", "stream", "adapters"}  # LMI's and TGI's body
 Decode = Callable[[list[int]], str]
 # json.dumps(text) for a str, without json.dumps's two Python calls around it: the same C
 # function makes the same text (ensure_ascii, as json.dumps by default)
@@ -39,6 +41,20 @@ def bad_request(message: str) -> HTTPError:
     return HTTPError(400, "BadRequest", message)
 
 
+def unknown_adapter(name: str | None, message: str) -> HTTPError:
+    """A request naming an adapter that is not registered: OpenAI's routes answer as vLLM does
+    for an unknown model (404), the others as LMI (424); never the base model instead."""
+    if has_request_context() and request.path.startswith("/v1/"):
+        shown = f"The model `{_shown_name(name)}` does not exist." if name is not None else message
+        return HTTPError(404, "NotFoundError", shown)
+    shown = f"Adapter {_shown_name(name)} is not registered" if name is not None else message
+    return HTTPError(424, "AdapterNotRegistered", shown)
+
+
+def _shown_name(name: str) -> str:
+    return name if len(name) <= 128 else name[:125] + "..."
+
+
 _REPR = Repr()  # keyword arguments need Python 3.12
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 60, 60, 4, 4
 # name → (accepted JSON types, description used in errors)
@@ -56,11 +72,12 @@ _PARAMETERS: dict[str, tuple[tuple[type, ...], str]] = {
     # TGI's request extras
     "decoder_input_details": ((bool,), "a boolean"), "top_n_tokens": ((int,), "an integer"),
     "truncate": ((int, type(None)), "an integer or null"), "watermark": ((bool,), "a boolean"),
+    "adapter_id": ((str, type(None)), "an adapter name"),  # TGI's LoRA adapter
 }
 _GRAMMAR_PARAMETERS = ("grammar", *GUIDED_FIELDS)  # handler/http/structured.py reads them
 # Read here, not by SamplingParams.
 _EDGE_PARAMETERS = {"details", "return_full_text", "decoder_input_details", "top_n_tokens",
-                    "truncate", "watermark"}
+                    "truncate", "watermark", "adapter_id"}
 
 
 @dataclass(frozen=True)
@@ -76,13 +93,14 @@ class GenerateRequest:
     decoder_input_details: bool = False  # details.prefill: the prompt's tokens
     top_n_tokens: int = 0  # details.top_tokens: the most likely alternatives of each token
     truncate: int | None = None  # keep only the prompt's last N tokens
+    adapters: tuple[str | None, ...] = ()  # each input's LoRA adapter (None: the base model)
 
 
 def parse_generate(body: dict, *, wants_stream: bool,
                    details_default: bool = False) -> GenerateRequest:
     """Validate `{"inputs", "parameters", "stream"}`; raises HTTPError 400 naming the field."""
     unknown = sorted(set(body) - GENERATE_FIELDS)
-    if unknown:  # e.g. LMI's LoRA "adapters": refused rather than silently ignored
+    if unknown:  # refused rather than silently ignored
         raise bad_request(f"unknown top-level fields: {', '.join(map(_shown, unknown))}; "
                           f"supported: {', '.join(sorted(GENERATE_FIELDS))} (or messages "
                           "for chat)")
@@ -111,9 +129,25 @@ def parse_generate(body: dict, *, wants_stream: bool,
         params = replace(params, guided=structured_spec(constrained, "parameters."))
     except RequestError as err:
         raise bad_request(str(err)) from err
+    adapters = lmi_adapters(body.get("adapters", parameters.get("adapter_id")), len(items))
     return GenerateRequest(tuple(items), is_list, params, stream,
                            parameters.get("details", details_default) or prefill,
-                           _flag(parameters, "return_full_text"), prefill, top_n, truncate)
+                           _flag(parameters, "return_full_text"), prefill, top_n, truncate,
+                           adapters)
+
+
+def lmi_adapters(value: Any, count: int) -> tuple[str | None, ...]:
+    """LMI's "adapters" (or TGI's parameters.adapter_id): one name for every input, or a
+    list as long as a list of inputs; "" or null is the base model."""
+    if value is None or isinstance(value, str):
+        return (value or None,) * count
+    if not isinstance(value, list) or not all(v is None or isinstance(v, str) for v in value):
+        raise bad_request("adapters must be an adapter name or a list of them (\"\" for the "
+                          "base model)")
+    if len(value) != count:
+        raise bad_request(f"Number of adapters ({len(value)}) is not equal to the number of "
+                          f"inputs ({count})")
+    return tuple(v or None for v in value)
 
 
 def _tgi_extras(p: dict, stream: bool) -> tuple[int, int | None, bool]:
@@ -268,4 +302,6 @@ def final_error(event: TokenEvent) -> HTTPError | None:
         return HTTPError(503, "ServiceUnavailable", "request aborted: the server is shutting down")
     if event.finish_reason == "invalid":  # the request's grammar failed: its message names it
         return bad_request(event.error or "the request's grammar failed while generating")
+    if event.finish_reason == "unknown_adapter":  # removed between submit and the engine
+        return unknown_adapter(None, event.error or "the request's adapter is not registered")
     return HTTPError(500, "InternalServerError", "internal error while generating; see server logs")

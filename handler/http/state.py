@@ -9,12 +9,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import CoreAddress, EngineClient, is_config_error
+from engine import AdapterError, CoreAddress, EngineClient, is_config_error
 from handler.config.serving_config import ServingConfig
 from handler.http.formatters import Formatters
 from handler.http.metrics import Metrics
 from handler.lmi.loader import load_custom_code
 from handler.lmi.runner import HandlerRunner
+from handler.model_source.adapters import startup_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +78,25 @@ class ServerState:
         self.client = client
         self.metrics.watch(client.gauges)
         client.start()
+        if client.lora_enabled:
+            self._register_folder_adapters(client)
         self._become_ready()
         if self._on_engine_death is not None:
             threading.Thread(target=self._watch_engine, name="engine-watch", daemon=True).start()
+
+    def _register_folder_adapters(self, client: EngineClient) -> None:
+        """<model dir>/adapters/<name>/ not registered yet: those of an s3:// model, there
+        only once it is downloaded (a local model's came with the configuration). A refused
+        one fails the load, naming it and why. Bounds the metrics' adapter label too."""
+        engine = self.config.engine
+        for name, folder in startup_adapters(Path(engine.model)):
+            if not client.has_adapter(name):
+                try:
+                    client.add_adapter(name, folder)
+                except AdapterError as err:
+                    raise ValueError(f"invalid adapter {name}={folder}: {err}") from err
+        self.metrics.adapter_labels = ((engine.max_cpu_loras or engine.max_loras)
+                                       + len(client.adapters()))
 
     def _become_ready(self) -> None:
         if self._before_ready is not None:
