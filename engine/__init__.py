@@ -13,6 +13,7 @@ from engine.config import (
     DEVICES,
     DTYPES,
     LINEAR_BACKENDS,
+    MAX_LORA_RANKS,
     MODEL_IMPLS,
     QUANTIZATIONS,
     EngineConfig,
@@ -35,7 +36,7 @@ from engine.serving.loop import CANCEL_CHECK_SECONDS, EngineDeadError, QueueFull
 __all__ = [
     "ATTENTION_BACKENDS", "BATCHING_STRATEGIES", "CANCEL_CHECK_SECONDS", "CUDAGRAPH_MODES",
     "DEVICES", "DTYPES",
-    "LINEAR_BACKENDS",
+    "LINEAR_BACKENDS", "MAX_LORA_RANKS",
     "MAX_TOP_LOGPROBS", "MODEL_IMPLS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
     "AdapterError", "AdapterNotFound", "CoreAddress", "CoreServer", "EngineClient",
     "EngineConfig", "EngineDeadError", "FinishReason", "Gauges",

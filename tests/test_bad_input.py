@@ -53,7 +53,7 @@ def test_nested_values_below_the_parser_limit_are_refused_briefly(client) -> Non
     assert "parameters.top_n_tokens" in message and len(message) < 300
 
 
-@pytest.mark.parametrize("key", ["adapters", "input", "prompt", "max_new_tokens"])
+@pytest.mark.parametrize("key", ["adapter", "input", "prompt", "max_new_tokens"])
 def test_unknown_top_level_fields_are_refused_by_name(client, key) -> None:
     r = client.post("/invocations", json={"inputs": "x", key: 1})
     message = error_of(r, 400)

@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from engine import QUANTIZATIONS
-from engine.config import MAX_LORA_RANKS
+from engine import MAX_LORA_RANKS, QUANTIZATIONS
 from handler.config.lmi_options import (
     BUILTIN_ENTRY_POINTS,
     INPUT_FORMATTERS,
