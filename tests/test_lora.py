@@ -278,3 +278,13 @@ def test_a_start_up_adapter_above_the_rank_limit_stops_the_start(lora) -> None:
     with pytest.raises(ValueError, match="invalid lora_modules: adapter 'plain': rank 4 .* "
                                          "above max_lora_rank=1"):
         lora_engine(lora, "paged", max_lora_rank=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lora_on_cuda_with_graphs_gives_peft_tokens(lora) -> None:
+    """float32 on the GPU: masked updates in every step, captured in the decode graphs."""
+    engine = lora_engine(lora, "paged", device="cuda")
+    assert engine.runner.padded_decode is not None and engine.runner.padded_decode.graphs
+    reqs = mixed_requests(lora[3])
+    drive(engine, reqs)
+    check(reqs, lora[4])

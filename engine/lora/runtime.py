@@ -38,6 +38,7 @@ class LoraRuntime:
         self.context = LoraContext(
             row_slots=torch.full((max_rows,), NO_ADAPTER, dtype=torch.int64, device=device),
             slot_ids=torch.arange(num_slots, device=device))
+        self.row_slots = self.context.row_slots  # [max_rows]: fixed address, for graphs
         self.targets = wrap_model(model, num_slots, max_rank, self.context, device, dtype)
         if device.type != "cpu":  # masked from the start: CUDA graphs capture the updates
             self.context.groups = None
@@ -75,9 +76,10 @@ class LoraRuntime:
             context.groups = _groups(rows)
             return
         context.groups = None
-        if len(rows) > context.row_slots.numel():  # an eager step longer than any before
-            context.row_slots = torch.full((len(rows),), NO_ADAPTER, dtype=torch.int64,
-                                           device=self.device)
+        # the static table (captured graphs read it), or for an eager step longer than any
+        # graph's, a table of its own
+        context.row_slots = self.row_slots if len(rows) <= self.row_slots.numel() else \
+            torch.empty(len(rows), dtype=torch.int64, device=self.device)
         host = torch.tensor(rows, dtype=torch.int64)
         if self.device.type == "cuda":
             host = host.pin_memory()

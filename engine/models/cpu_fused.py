@@ -8,7 +8,8 @@ against transformers op for op.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -20,6 +21,23 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# logits [S, vocab] float32 → [S, 2] float64: argmax id, its log-probability (runner/sampler.py)
+GreedyKernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+class FusedOps(Protocol):
+    """What a layer's fused path calls (the C ops here, the Triton ones in triton_fused.py),
+    and a greedy sampling kernel where one comes with them."""
+
+    greedy: GreedyKernel | None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   num_heads: int) -> torch.Tensor: ...
+
 
 class FusedCpuOps:
     """RMSNorm (with the residual add before it), RoPE + KV write and greedy sampling, one C
@@ -27,6 +45,7 @@ class FusedCpuOps:
 
     def __init__(self) -> None:
         self.lib = load_kernels()
+        self.greedy: GreedyKernel | None = self._greedy
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,7 +69,7 @@ class FusedCpuOps:
             torch.get_num_threads())
         return q
 
-    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [S, vocab] float32 → [S, 2] float64: argmax id, its log-probability; the
         log-probability is NaN where a row holds NaN or infinity (PyTorch defines those)."""
         logits = logits.contiguous()
@@ -100,7 +119,7 @@ def _check(ops: FusedCpuOps, model: torch.nn.Module) -> None:
     error = (ops.rms_norm(x.clone(), norm.weight, norm.eps) - norm(x)).abs().max().item()
     assert error <= 1e-5 * norm(x).abs().max().item(), f"RMSNorm differs by {error:.2g}"
     logits = 5 * torch.randn(n, spec.vocab_size, generator=generator)
-    ids, logprobs = ops.greedy(logits).unbind(1)
+    ids, logprobs = ops._greedy(logits).unbind(1)
     want = torch.log_softmax(logits, -1).max(-1)
     assert torch.equal(ids.long(), logits.argmax(-1)), "greedy argmax differs"
     assert torch.allclose(logprobs.float(), want.values, atol=1e-4), "logprob differs"

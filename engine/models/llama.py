@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.reference import AttentionMetadata, store_kv
-from engine.models.cpu_fused import FusedCpuOps
+from engine.models.cpu_fused import FusedOps
 from engine.models.layers import (
     ROPE_TYPES,
     RMSNorm,
@@ -68,7 +68,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = self._norm(spec.hidden_size, eps)
         self.scale = spec.head_dim ** -0.5
         self.window = window  # None: full attention
-        self.fused: FusedCpuOps | None = None  # set by use_fused_cpu_ops
+        self.fused: FusedOps | None = None  # set by use_fused_cpu_ops
         # Qwen3, Gemma 3: one RMSNorm over the head dimension for q heads, one for k heads
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -112,7 +112,11 @@ class DecoderLayer(nn.Module):
         """[N, hidden] → [N, hidden], this rank's share: SwiGLU, or the sparse experts'."""
         if self.moe is not None:
             return self.moe(h, decode_only)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(h)  # [N, 2 I]
+        silu_mul = getattr(self.fused, "silu_mul", None)  # the Triton ops fuse it
+        if silu_mul is not None:
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
     def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -292,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         self.graph_safe = on
         self.syncs_host = not on  # (prefill still reads the router's choice)
 
-    def use_fused_cpu_ops(self, ops: FusedCpuOps | None) -> None:
+    def use_fused_cpu_ops(self, ops: FusedOps | None) -> None:
         """The C RoPE rotates whole heads: a partly rotated head keeps the PyTorch ops."""
         whole_heads = rotary_dim(self.config, self.spec.head_dim) == self.spec.head_dim
         for layer in self.layers:

@@ -19,12 +19,13 @@ from engine.kv.layout import kv_layout
 from engine.lora.errors import AdapterError
 from engine.lora.manager import AdapterRegistry
 from engine.lora.runtime import LoraRuntime
-from engine.models.cpu_fused import fused_ops_for
+from engine.models.cpu_fused import FusedOps, fused_ops_for
 from engine.models.linear import pack_model_linears
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_device, resolve_dtype, spec_from_files
 from engine.models.registry import native_names
 from engine.models.spec import ModelSpec
+from engine.models.triton_fused import triton_fused_ops_for
 from engine.parallel.comm import STARTUP_TIMEOUT, Collectives
 from engine.parallel.shard import Shard
 from engine.runner.attention_check import prepare_attention
@@ -102,7 +103,9 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     prepare_attention(runner, config.attention_backend, config.max_num_seqs, max_step_tokens,
                       max_model_len)
     if hasattr(model, "use_fused_cpu_ops"):
-        ops = fused_ops_for(model, dtype, runner.attention.name)
+        ops: FusedOps | None = (
+            triton_fused_ops_for(model, dtype, device) if runner.attention.name == "triton"
+            else fused_ops_for(model, dtype, runner.attention.name))
         model.use_fused_cpu_ops(ops)
         runner.use_greedy_kernel(ops.greedy if ops is not None else None)
     if hasattr(model, "use_dense_moe_decode"):  # expert models: graph-safe decode on GPUs
