@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmark import commands as cmd
-from benchmark import constrained, kv_groups, load_memory, model_impl, soak
+from benchmark import constrained, kv_groups, load_memory, lora, model_impl, soak
 from benchmark.commands import DEFAULT_PEERS, PEERS, RESULTS, ROOT
 from benchmark.options import add_load_options
 from benchmark.peers import DEFAULT_VLLM_VENV
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     constrained.add_parsers(sub)
     model_impl.add_parser(sub)
     kv_groups.add_parser(sub)
+    lora.add_parser(sub)
     soak.add_parser(sub)
 
     args = parser.parse_args(argv)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 "random-model": cmd.random_model, "load-memory": load_memory.run,
                 "grammar-masks": constrained.grammar_masks, "constrained": constrained.constrained,
                 "model-impl": model_impl.run, "kv-groups": kv_groups.run,
-                "soak": soak.run}
+                "lora": lora.run, "soak": soak.run}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message

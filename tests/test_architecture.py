@@ -135,7 +135,7 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "parallel": {"base"},
     "attention": {"base", "kernels"},
     "models": {"base", "kernels", "parallel", "attention"},
-    "lora": {"base", "models"},
+    "lora": {"base", "kernels", "models"},
     "scheduler": {"base", "kv", "models"},
     "runner": {"base", "kernels", "kv", "observe", "parallel", "attention", "models", "lora",
                "scheduler"},

@@ -17,6 +17,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+import engine.kernels as kernels
 from engine import SamplingParams
 from engine.inputs import GenerationRequest
 from engine.lora.errors import AdapterError, AdapterNotFound, UnknownAdapter
@@ -123,6 +124,8 @@ def test_mixed_adapters_give_peft_tokens(lora, case) -> None:
         assert engine.scheduler.num_preemptions > 0
     if case == "paged-padded":
         assert engine.runner.padded_decode.steps > 0
+    if case == "paged" and kernels.compiler():  # few rows per adapter: the C kernel ran
+        assert engine.runner.lora.context.kernel is not None
     if case == "continuous-two-slots":  # three adapters through two slots: some waited
         assert max(seen) == 2 and engine.runner.lora.slots.clock > 0
 

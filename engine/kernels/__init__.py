@@ -1,5 +1,5 @@
-"""CPU kernels in plain C (paged_decode.c, fused_ops.c, greedy.c, gemm.c), compiled once per process
-and loaded with ctypes.
+"""CPU kernels in plain C (paged_decode.c, fused_ops.c, greedy.c, gemm.c, lora.c), compiled once
+per process and loaded with ctypes.
 
 Why C: see each file's header. No library we can depend on has these for a paged pool on CPU
 (vLLM's kernels ship only inside vLLM), so a few loops are compiled with the system C compiler
@@ -37,6 +37,7 @@ SIGNATURES = {
     "batchyard_greedy": [_PTR, _I64, _I64, _PTR, _INT],
     "batchyard_gemm_pack": [_PTR, _I64, _I64, _PTR],
     "batchyard_gemm": [_PTR] * 4 + [_I64] * 3 + [_INT],
+    "batchyard_lora": [_PTR] * 6 + [_I64] * 4 + [_INT],
 }
 
 

@@ -7,12 +7,14 @@ own shard from the adapter's folder) before they run the same step.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.kernels import load_kernels
 from engine.lora.manager import SlotTable
 from engine.lora.peft_files import LoraAdapter, read_adapter
 from engine.lora.weights import LoraContext, check_fits, load_slot, wrap_model
@@ -20,7 +22,12 @@ from engine.lora.weights import LoraContext, check_fits, load_slot, wrap_model
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
 
+logger = logging.getLogger(__name__)
+
 NO_ADAPTER = -1  # a row's slot when it runs the base model alone
+# An adapter with this many rows in a step (a prompt chunk) updates them with two PyTorch
+# matmuls; fewer rows go through the C kernel, where PyTorch's per-call cost would dominate.
+MANY_ROWS = 16
 READ_CACHE = 4  # adapters a worker rank keeps read (rank 0's registry keeps its own LRU)
 
 # (slot, adapter key, its folder): what a step loads before it runs
@@ -42,6 +49,8 @@ class LoraRuntime:
         self.targets = wrap_model(model, num_slots, max_rank, self.context, device, dtype)
         if device.type != "cpu":  # masked from the start: CUDA graphs capture the updates
             self.context.groups = None
+        elif dtype == torch.float32:
+            self.context.kernel = _cpu_kernel()
         self.slots = SlotTable(num_slots)
         self.read: OrderedDict[str, LoraAdapter] = OrderedDict()  # worker ranks: key -> read
 
@@ -73,7 +82,9 @@ class LoraRuntime:
             load_slot(self.model, self.targets, slot, adapter, self.max_rank)
         context = self.context
         if self.device.type == "cpu" and not padded:
-            context.groups = _groups(rows)
+            context.groups, context.few_rows = _groups(rows, self.context.kernel is not None)
+            context.few_slots = () if context.few_rows is None else tuple(
+                {slot for slot in rows if slot != NO_ADAPTER} - {g for g, _ in context.groups})
             return
         context.groups = None
         # the static table (captured graphs read it), or for an eager step longer than any
@@ -95,11 +106,27 @@ class LoraRuntime:
         return self.read[key]
 
 
-def _groups(rows: list[int]) -> list[tuple[int, torch.Tensor | None]]:
-    """(slot, its rows) of each adapter in the step; None for a slot holding every row."""
+def _groups(rows: list[int], kernel: bool
+            ) -> tuple[list[tuple[int, torch.Tensor | None]], torch.Tensor | None]:
+    """(slot, its rows) of each adapter with many rows in the step (None: every row), and,
+    with the C kernel, the slots of the rows of the others ([N], -1 elsewhere; None: none)."""
     by_slot: dict[int, list[int]] = {}
     for row, slot in enumerate(rows):
         if slot != NO_ADAPTER:
             by_slot.setdefault(slot, []).append(row)
-    return [(slot, None if len(members) == len(rows) else torch.tensor(members))
-            for slot, members in by_slot.items()]
+    few = [slot for slot, members in by_slot.items() if kernel and len(members) < MANY_ROWS]
+    groups = [(slot, None if len(members) == len(rows) else torch.tensor(members))
+              for slot, members in by_slot.items() if slot not in few]
+    if not few:
+        return groups, None
+    kept = set(few)
+    return groups, torch.tensor([slot if slot in kept else NO_ADAPTER for slot in rows])
+
+
+def _cpu_kernel() -> object | None:
+    """engine/kernels/lora.c where a C compiler is there (else PyTorch's matmuls only)."""
+    try:
+        return load_kernels()
+    except RuntimeError as err:
+        logger.warning("LoRA: no C kernel (%s); updates run as PyTorch matmuls", err)
+        return None

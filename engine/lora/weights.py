@@ -52,6 +52,8 @@ class LoraTarget:
     a: torch.Tensor  # [L * R, in]
     b: torch.Tensor  # [L * R, out]
     scale: torch.Tensor  # [L, R]: each column's α / r (zero where unused)
+    # per slot: whether its adapter updates this layer at all (grouped mode skips it if not)
+    used: list[bool] = field(default_factory=list)
 
     @property
     def width(self) -> int:  # R
@@ -66,18 +68,32 @@ class LoraContext:
     slot_ids: torch.Tensor  # [L] int64: 0 … L - 1
     # grouped mode (eager CPU steps): (slot, its rows [n] or None for all rows); None: masked
     groups: list[tuple[int, torch.Tensor | None]] | None = field(default_factory=list)
+    # grouped mode, rows whose adapter has few rows this step: their slots [n] (-1 for the
+    # others), for the C kernel (engine/kernels/lora.c) given here; None: none
+    few_rows: torch.Tensor | None = None
+    few_slots: tuple[int, ...] = ()  # the slots of those rows
+    kernel: object | None = None
 
     def apply(self, target: LoraTarget, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [n, out] (the base layer's output for x [n, in]) plus each row's update."""
         if self.groups is None:
             return y + self._masked(target, x)
+        if self.few_rows is not None and any(target.used[s] for s in self.few_slots):
+            # in place: y is the base layer's fresh output
+            x, y = x.contiguous(), y.contiguous()
+            self.kernel.batchyard_lora(  # type: ignore[attr-defined]
+                x.data_ptr(), self.few_rows.data_ptr(), target.a.data_ptr(),
+                target.b.data_ptr(), target.scale.data_ptr(), y.data_ptr(), x.shape[0],
+                x.shape[1], y.shape[1], target.width, torch.get_num_threads())
         width = target.width
         for slot, rows in self.groups:
+            if not target.used[slot]:
+                continue
             cols = slice(slot * width, (slot + 1) * width)
             xs = x if rows is None else x.index_select(0, rows)  # [m, in]
             t = (xs @ target.a[cols].T) * target.scale[slot]  # [m, R]
             if rows is None:
-                y = y + t @ target.b[cols]
+                y = torch.addmm(y, t, target.b[cols])
             else:
                 y = y.index_add(0, rows, t @ target.b[cols])
         return y
@@ -121,7 +137,7 @@ def wrap_model(model: LlamaForCausalLM, num_slots: int, max_rank: int, context: 
                 f"layers.{i}.{ours}", tuple(f"model.layers.{i}.{p}" for p in names),
                 torch.zeros(num_slots * width, in_features, device=device, dtype=dtype),
                 torch.zeros(num_slots * width, out_features, device=device, dtype=dtype),
-                torch.zeros(num_slots, width, device=device, dtype=dtype))
+                torch.zeros(num_slots, width, device=device, dtype=dtype), [False] * num_slots)
             setattr(layer, ours, LoraLinear(base, target, context))
             targets.append(target)
     return targets
@@ -146,6 +162,8 @@ def load_slot(model: LlamaForCausalLM, targets: list[LoraTarget], slot: int,
         target.a[rows].copy_(a)
         target.b[rows].copy_(b)
         target.scale[slot].copy_(scale)
+        target.used[slot] = adapter is not None and any(p in adapter.modules
+                                                        for p in target.parts)
 
 
 def check_fits(model: LlamaForCausalLM, targets: list[LoraTarget],
