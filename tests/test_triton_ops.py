@@ -10,11 +10,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams
 from engine.models.layers import RMSNorm, apply_rope
 from engine.models.triton_fused import FusedTritonOps, triton_fused_ops_for
-from tests.engine_harness import make_engine
+from tests.engine_harness import drive, hf_greedy, make_engine, staggered_requests
 from tests.models_fixtures import build_tiny_model
 
 CPU = torch.device("cpu")
@@ -66,6 +67,36 @@ def test_silu_mul(ops, inter) -> None:
     gate_up = torch.randn(3, 2 * inter)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {"hidden_size": 96}),  # head_dim 24 and hidden 96: padded blocks
+    ("qwen3", {}),  # q and k head norms in place before the fused RoPE reads them
+])
+def test_layers_on_the_triton_ops_serve_transformers_tokens(tmp_path, arch, overrides) -> None:
+    """The ops set straight on a model whose engine otherwise runs PyTorch's ops (reference
+    attention): staggered greedy requests get transformers' tokens, through the kernels."""
+    path = build_tiny_model(tmp_path, arch=arch, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts, new_tokens = [[5, 9, 14, 3, 77, 21, 8], [40], [12, 13, 99, 4]], [6, 5, 4]
+    refs = [hf_greedy(hf, p, n) for p, n in zip(prompts, new_tokens, strict=True)]
+    engine = make_engine(path, "paged", attention_backend="reference")
+    ops = FusedTritonOps(CPU)
+    calls: dict[str, int] = {}
+    for name in ("rms_norm", "rope_store", "silu_mul"):  # count the calls: the kernels ran
+        setattr(ops, name, _counted(calls, name, getattr(ops, name)))
+    engine.runner.model.use_fused_cpu_ops(ops)
+    reqs = staggered_requests(prompts, new_tokens, [0, 1, 3])
+    drive(engine, reqs)
+    assert [r.tokens for r in reqs] == refs
+    assert set(calls) == {"rms_norm", "rope_store", "silu_mul"}
+
+
+def _counted(calls: dict[str, int], name: str, op):
+    def counted(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return op(*args, **kwargs)
+    return counted
 
 
 def test_a_disagreeing_kernel_leaves_the_pytorch_ops_on(tmp_path, monkeypatch, caplog) -> None:

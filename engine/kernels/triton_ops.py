@@ -90,9 +90,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rows, hidden = x.shape
     out = torch.empty_like(x)  # [N, hidden]
     if rows:
+        block = triton.next_power_of_2(hidden)
         _add_rms_norm[(rows,)](x, x if residual is None else residual, weight, out, hidden, eps,
-                               HAS_RESIDUAL=residual is not None,
-                               BLOCK=triton.next_power_of_2(hidden))
+                               HAS_RESIDUAL=residual is not None, BLOCK=block,
+                               num_warps=_warps(block))
     return out
 
 
@@ -107,12 +108,20 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
     assert cos.shape[1] == head_dim and cos.stride() == sin.stride() and cos.stride(1) == 1
     q = torch.empty(rows, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # [N, H, D]
     if rows:
+        heads_p = triton.next_power_of_2(num_heads + kv_heads)
+        dim_p = triton.next_power_of_2(head_dim)
         _rope_store[(rows,)](qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0),
                              cos.stride(0), NUM_HEADS=num_heads, KV_HEADS=kv_heads,
-                             HEAD_DIM=head_dim,
-                             HEADS_P=triton.next_power_of_2(num_heads + kv_heads),
-                             DIM_P=triton.next_power_of_2(head_dim))
+                             HEAD_DIM=head_dim, HEADS_P=heads_p, DIM_P=dim_p,
+                             num_warps=_warps(heads_p * dim_p))
     return q
+
+
+def _warps(block: int) -> int:
+    """Warps (a power of two) for a program holding `block` elements: 8 a thread up to 16
+    warps, so a whole row of a large model (hidden 8192; 64 + 8 heads x 128) is spread over
+    enough threads to stay in registers; the interpreter ignores it."""
+    return min(16, max(1, block // 256))
 
 
 SILU_BLOCK = 1024  # columns a program takes: intermediate sizes run to tens of thousands
