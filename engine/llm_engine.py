@@ -175,6 +175,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.UNKNOWN_ADAPTER)
                 self._ready.append(self._output(self._requests[seq.seq_id], None, error=str(
                     UnknownAdapter(params.adapter, self.adapter_names()))))
+                return
         if params.guided is not None:
             self._constrain(request_id, seq)
 

@@ -230,6 +230,8 @@ BAD = {
     "bias": ({"bias": "all"}, None, "bias='all'"),
     "saved-modules": ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
     "pissa": ({"init_lora_weights": "pissa"}, None, "rewrites the base weights"),
+    "alpha-text": ({"lora_alpha": "16"}, None, "lora_alpha '16'"),
+    "pattern-regex": ({"rank_pattern": {"q_proj(": 8}}, None, "not a map of module patterns"),
     "rank": ({"r": 32, "rank_pattern": {}}, None, "not \\[r, in\\]"),
     "embedding": (None, lambda w: {**w, "base_model.model.model.embed_tokens.lora_embedding_A":
                                    torch.zeros(4, 10)}, "embedding LoRA"),
@@ -291,3 +293,36 @@ def test_lora_on_cuda_with_graphs_gives_peft_tokens(lora) -> None:
     reqs = mixed_requests(lora[3])
     drive(engine, reqs)
     check(reqs, lora[4])
+
+
+def test_a_failed_slot_load_leaves_the_slot_empty(lora) -> None:
+    """A load that raises (a folder gone, memory) must not leave the slot table saying the slot
+    holds the adapter: the next step naming it loads it again, not another's weights."""
+    engine = lora_engine(lora, "paged")
+    runtime, registry = engine.runner.lora, engine.runner.adapters
+    rows, loads = runtime.plan_rows(["plain@1"], [3], registry.path_of)
+
+    def broken(key: str):
+        raise OSError("the folder is gone")
+
+    with pytest.raises(OSError):
+        runtime.stage(rows, loads, broken, padded=False)
+    assert "plain@1" not in runtime.slots.held
+    req = Req("0:plain", lora[3][0], replace(greedy(NEW_TOKENS), adapter="plain"))
+    drive(engine, [req])
+    check([req], lora[4])
+
+
+def test_a_retiring_adapter_stays_read_when_its_folder_goes(lora, tmp_path) -> None:
+    base, root, _, prompts, refs = lora
+    shutil.copytree(root / "plain", tmp_path / "plain")
+    engine = make_engine(base, "paged", enable_lora=True, max_loras=1, max_cpu_loras=1)
+    engine.add_adapter("plain", str(tmp_path / "plain"))
+    engine.add_adapter("rs", str(root / "rs"))  # pushes plain out of the host cache
+    engine.add_request("0:plain", prompts[0], replace(greedy(NEW_TOKENS), adapter="plain"))
+    engine.remove_adapter("plain")  # in use: it retires, read again now
+    shutil.rmtree(tmp_path / "plain")
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [e.token_id for e in engine.step() if e.token_id is not None]
+    assert tokens == refs["plain"][0]

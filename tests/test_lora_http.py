@@ -354,3 +354,29 @@ def test_openai_sdk_with_an_adapter_model(served, lora) -> None:
                                        ).choices[0].message.content != chat_expected
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="nope", prompt=PROMPT, **greedy)
+
+
+def test_an_update_the_engine_refuses_keeps_the_old_weights(served, lora) -> None:
+    client, _ = served
+    model = lora[0]
+    before = text_of(client, adapters="a")
+    dora = model / "adapters" / "dora"
+    shutil.copytree(model / "adapters" / "a", dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    refused = client.post("/adapters/a/update", query_string={"src": str(dora)})
+    assert refused.status_code == 424 and "DoRA" in refused.get_json()["message"]
+    assert text_of(client, adapters="a") == before  # still registered, same weights
+
+
+def test_an_adapter_name_past_the_limit_is_a_client_error_on_every_route(served) -> None:
+    client, _ = served
+    name = "x" * 300
+    assert generate(client, {"inputs": PROMPT, "adapters": name}).status_code in (400, 424)
+    headers = {"X-Amzn-SageMaker-Adapter-Identifier": name}
+    assert generate(client, {"inputs": PROMPT}, headers).status_code in (400, 424)
+    chat = client.post("/v1/chat/completions", json={
+        "model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    completion = client.post("/v1/completions", json={"model": name, "prompt": PROMPT,
+                                                      "max_tokens": 2})
+    assert chat.status_code in (400, 404) and completion.status_code in (400, 404)

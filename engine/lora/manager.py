@@ -13,11 +13,14 @@ a free slot, else the least recently used slot not needed by this step.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from engine.lora.errors import AdapterError, AdapterNotFound
 from engine.lora.peft_files import LoraAdapter, read_adapter
+
+logger = logging.getLogger(__name__)
 
 
 class AdapterRegistry:
@@ -58,6 +61,12 @@ class AdapterRegistry:
         key = self.current.pop(name)
         if key not in set(in_use):
             self._drop(key)
+            return
+        try:  # held read while it retires: its folder may go before its requests end
+            self.get(key)
+        except AdapterError:
+            logger.warning("adapter %s retires unread: %s's requests fail if preempted", key,
+                           name)
 
     def forget_unused(self, in_use: Iterable[str]) -> list[str]:
         """Drop retired keys no request uses any more; returns them."""
@@ -88,8 +97,12 @@ class AdapterRegistry:
     def _keep(self, key: str, adapter: LoraAdapter) -> None:
         self.loaded[key] = adapter
         self.loaded.move_to_end(key)
-        while len(self.loaded) > self.max_cpu_loras:
-            self.loaded.popitem(last=False)
+        # a retired key stays read: its folder may be gone (SageMaker removes it with the
+        # adapter component) while its requests still run
+        current = set(self.current.values())
+        evictable = [k for k in self.loaded if k in current and k != key]
+        while len(self.loaded) > self.max_cpu_loras and evictable:
+            self.loaded.pop(evictable.pop(0))
 
     def _drop(self, key: str) -> None:
         self.paths.pop(key, None)
@@ -123,6 +136,11 @@ class SlotTable:
             slots[key] = slot
             loads.append((slot, key))
         return slots, loads
+
+    def forget(self, slot: int) -> None:
+        """`slot`'s load failed: it holds no adapter (the next step loads again)."""
+        self.held[slot] = None
+        self.last_used[slot] = 0
 
     def check_integrity(self) -> None:
         names = [h for h in self.held if h is not None]

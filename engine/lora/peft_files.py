@@ -134,9 +134,17 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor]
 
 def _module(name: str, module: str, a: torch.Tensor, b: torch.Tensor, config: dict,
             max_rank: int) -> LoraModule:
-    rank = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module,
-                           config.get("lora_alpha", 8))
+    try:
+        rank = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, module,
+                               config.get("lora_alpha", 8))
+    except (re.error, AttributeError, TypeError) as err:
+        raise AdapterError(f"adapter {name!r}: rank_pattern or alpha_pattern is not a map of "
+                           f"module patterns: {err}") from err
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError(f"adapter {name!r}: rank {rank!r} of {module} (a positive integer)")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(f"adapter {name!r}: lora_alpha {alpha!r} of {module} (a number)")
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
         raise AdapterError(f"adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
                            f"{tuple(b.shape)}, not [r, in] and [out, r] with r={rank}")

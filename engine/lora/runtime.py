@@ -78,8 +78,12 @@ class LoraRuntime:
         by adapter for an eager CPU step, as a masked row table otherwise (fixed shapes).
         `read`: rank 0's registry (by key); worker ranks read the folders themselves."""
         for slot, key, path in loads:
-            adapter = read(key) if read is not None else self._read(key, path)
-            load_slot(self.model, self.targets, slot, adapter, self.max_rank)
+            try:
+                adapter = read(key) if read is not None else self._read(key, path)
+                load_slot(self.model, self.targets, slot, adapter, self.max_rank)
+            except BaseException:  # the slot holds nothing it can be trusted for
+                self.slots.forget(slot)
+                raise
         context = self.context
         if self.device.type == "cpu" and not padded:
             context.groups, context.few_rows = _groups(rows, self.context.kernel is not None)

@@ -76,7 +76,11 @@ def add_adapter_routes(app: Flask, state: ServerState) -> None:
         src = _param("src", "")
         if src and _checked(lambda: confined_folder(src, _roots(state)), True) != found[name]:
             _remove(state, name)  # new weights under the old name: a new registration
-            _add(state, name, src, lmi=True)
+            try:
+                _add(state, name, src, lmi=True)
+            except HTTPError:  # refused: the old weights serve on
+                state.engine.add_adapter(name, found[name])
+                raise
         if request.args.get("pin") is not None:
             pins[name] = request.args["pin"].lower() in _TRUE
         return _json({"status": f"Adapter {_alias(name)} updated"})
@@ -133,7 +137,10 @@ def _add(state: ServerState, name: str, src: str, *, lmi: bool) -> None:
     except RuntimeError as err:
         if isinstance(err, EngineDeadError):
             raise HTTPError(503, "ServiceUnavailable", "the engine is not running") from err
-        raise bad_request("LoRA is not enabled.") from err
+        if not state.engine.lora_enabled:
+            raise bad_request("LoRA is not enabled.") from err
+        raise HTTPError(424 if lmi else 400, "AdapterError" if lmi else "BadRequest",
+                        f"adapter {name!r} could not be loaded") from err
 
 
 def _remove(state: ServerState, name: str, lmi: bool = True) -> None:

@@ -56,9 +56,11 @@ def serve_chat(state: ServerState, body: dict, *, wants_stream: bool, sse: bool,
     except RequestError as err:
         raise bad_request(str(err)) from err
     try:
-        handles = submit(state, [prompt] * chat.n,
-                         with_adapters(each_choice(chat.params, chat.n), [adapter] * chat.n),
-                         stream=chat.stream)
+        params = with_adapters(each_choice(chat.params, chat.n), [adapter] * chat.n)
+    except RequestError as err:  # e.g. an adapter name past the limit
+        raise bad_request(str(err)) from err
+    try:
+        handles = submit(state, [prompt] * chat.n, params, stream=chat.stream)
     except HTTPError as err:
         if err.code == 400:  # e.g. the length limit, in the chat body's field names
             err.message = chat_names(err.message, chat.max_field)

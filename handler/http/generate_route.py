@@ -37,7 +37,8 @@ def serve_generate(state: ServerState, body: dict, accept: str, start: float) ->
     admit(state, len(gen.inputs))
     with engine_errors():  # a prompt too long to tokenize
         prompts = [state.engine.encode(text, truncate=gen.truncate) for text in gen.inputs]
-    params = with_adapters(gen.params, each_adapter(gen.adapters))
+    with engine_errors():  # e.g. an adapter name past the limit
+        params = with_adapters(gen.params, each_adapter(gen.adapters))
     handles = submit(state, prompts, params, stream=gen.stream)
     decode = state.engine.decode
     if gen.stream:

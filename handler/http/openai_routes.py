@@ -31,9 +31,13 @@ def serve_completions(state: ServerState, body: dict, start: float) -> Response:
     except RequestError as err:
         raise bad_request(completion_names(str(err))) from err
     try:
-        params = each_choice(req.params, req.n) * len(prompts)
-        handles = submit(state, [ids for ids in prompts for _ in range(req.n)],
-                         with_adapters(params, [adapter] * len(params)), stream=req.stream)
+        params = with_adapters(each_choice(req.params, req.n) * len(prompts),
+                               [adapter] * len(prompts) * req.n)
+    except RequestError as err:  # e.g. an adapter name past the limit
+        raise bad_request(completion_names(str(err))) from err
+    try:
+        handles = submit(state, [ids for ids in prompts for _ in range(req.n)], params,
+                         stream=req.stream)
     except HTTPError as err:
         if err.code == 400:  # e.g. the length limit, in the body's own field names
             err.message = completion_names(err.message)

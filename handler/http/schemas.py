@@ -303,5 +303,6 @@ def final_error(event: TokenEvent) -> HTTPError | None:
     if event.finish_reason == "invalid":  # the request's grammar failed: its message names it
         return bad_request(event.error or "the request's grammar failed while generating")
     if event.finish_reason == "unknown_adapter":  # removed between submit and the engine
-        return unknown_adapter(None, event.error or "the request's adapter is not registered")
+        # (a fixed message: the engine's names the other adapters registered)
+        return unknown_adapter(None, "the request's adapter is not registered")
     return HTTPError(500, "InternalServerError", "internal error while generating; see server logs")
