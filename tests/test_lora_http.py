@@ -380,3 +380,13 @@ def test_an_adapter_name_past_the_limit_is_a_client_error_on_every_route(served)
     completion = client.post("/v1/completions", json={"model": name, "prompt": PROMPT,
                                                       "max_tokens": 2})
     assert chat.status_code in (400, 404) and completion.status_code in (400, 404)
+
+
+def test_a_file_linked_out_of_an_allowed_folder_is_refused(lora, tmp_path) -> None:
+    model, staged, outside, _ = lora
+    folder = tmp_path / "adapters" / "linked"
+    folder.mkdir(parents=True)
+    shutil.copy(staged / "adapter_config.json", folder)
+    (folder / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    with pytest.raises(AdapterPathError, match="adapter_model.safetensors links outside"):
+        confined_folder(str(folder), [tmp_path / "adapters"])

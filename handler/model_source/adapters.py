@@ -60,6 +60,9 @@ def confined_folder(src: object, roots: Iterable[Path]) -> str:
         raise AdapterPathError("src is outside the folders adapters may be read from (the "
                                f"model folder's {ADAPTERS_DIR}/ or {SAGEMAKER_ROOT})")
     check_checkpoint(real)
+    for name in (CONFIG, WEIGHTS):  # a file inside may be a link out of the folder
+        if not Path(os.path.realpath(real / name)).is_relative_to(real):
+            raise AdapterPathError(f"src's {name} links outside its folder")
     return str(real)
 
 
