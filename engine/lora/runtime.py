@@ -73,10 +73,12 @@ class LoraRuntime:
         return rows, [(slot, key, path_of(key)) for slot, key in loads]
 
     def stage(self, rows: list[int], loads: Sequence[SlotLoad],
-              read: Callable[[str], LoraAdapter] | None, padded: bool) -> None:
+              read: Callable[[str], LoraAdapter] | None, padded: bool,
+              uploaded: torch.Tensor | None = None) -> None:
         """Load the step's new slots, then tell the layers which rows use which slot: grouped
         by adapter for an eager CPU step, as a masked row table otherwise (fixed shapes).
-        `read`: rank 0's registry (by key); worker ranks read the folders themselves."""
+        `read`: rank 0's registry (by key); worker ranks read the folders themselves.
+        `uploaded`: `rows` on the device, from the step's one upload (the masked table)."""
         for slot, key, path in loads:
             try:
                 adapter = read(key) if read is not None else self._read(key, path)
@@ -95,10 +97,9 @@ class LoraRuntime:
         # graph's, a table of its own
         context.row_slots = self.row_slots if len(rows) <= self.row_slots.numel() else \
             torch.empty(len(rows), dtype=torch.int64, device=self.device)
-        host = torch.tensor(rows, dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        context.row_slots[:len(rows)].copy_(host, non_blocking=True)
+        if rows:
+            assert uploaded is not None, "the runner uploads the rows with the step"
+            context.row_slots[:len(rows)].copy_(uploaded)
         context.row_slots[len(rows):].fill_(NO_ADAPTER)  # padding rows of a padded step
 
     def _read(self, key: str, path: str) -> LoraAdapter:

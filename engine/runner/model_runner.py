@@ -174,7 +174,7 @@ class ModelRunner:
         if self.lora is not None:  # fixed shapes on the graph paths: rows masked by slot
             self.lora.stage(list(plan.lora_rows), plan.lora_loads,
                             self.adapters.get if self.adapters is not None else None,
-                            padded or piecewise)
+                            padded or piecewise, views.get("lora_rows"))
         self.phases.mark("prepare")
         if padded:
             assert self.padded_decode is not None  # _padded() is False without it
@@ -271,6 +271,8 @@ class ModelRunner:
             page_spans = stage_prefill_pages(buffer, plan.prefills, *paging)
         else:  # the padded path: every token a row, a prompt chunk's as its own decode rows
             stage_decodes(buffer, token_rows(plan), *paging, window)
+        if plan.lora_rows:  # each row's adapter slot, with the step's one upload
+            buffer.put("lora_rows", plan.lora_rows)
         sampler_plan = self.sampler.stage(sampling, buffer) if sampling else None
         if plan.carried:
             buffer.put("carried", [[dst for dst, _ in plan.carried],
