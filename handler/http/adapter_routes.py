@@ -60,19 +60,13 @@ def add_adapter_routes(app: Flask, state: ServerState) -> None:
     @app.get("/adapters/<name>")
     @app.get("/models/<model>/adapters/<name>")
     def describe(name: str, model: str | None = None):
-        _engine(state, model)
-        found = dict(state.engine.adapters())
-        if name not in found:
-            raise _not_found(name)
+        found = _registered(state, model, name)
         return _json([{"name": name, "src": found[name], "pin": pins.get(name, False)}])
 
     @app.post("/adapters/<name>/update")
     @app.post("/models/<model>/adapters/<name>/update")
     def update(name: str, model: str | None = None):
-        _engine(state, model)
-        found = dict(state.engine.adapters())
-        if name not in found:
-            raise _not_found(name)
+        found = _registered(state, model, name)
         src = _param("src", "")
         if src and _checked(lambda: confined_folder(src, _roots(state)), True) != found[name]:
             _remove(state, name)  # new weights under the old name: a new registration
@@ -166,6 +160,15 @@ def _checked(call: Callable[[], str], lmi: bool) -> str:
 
 def _roots(state: ServerState) -> list[Path]:
     return allowed_roots(Path(state.config.engine.model))
+
+
+def _registered(state: ServerState, model: str | None, name: str) -> dict[str, str]:
+    """name -> folder of the registered adapters; 404 unless `name` is one of them."""
+    _engine(state, model)
+    found = dict(state.engine.adapters())
+    if name not in found:
+        raise _not_found(name)
+    return found
 
 
 def _not_found(name: str, lmi: bool = True) -> HTTPError:
