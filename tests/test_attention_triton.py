@@ -24,6 +24,7 @@ from engine.runner.attention_check import check_attention_backend, check_or_fall
 from tests.engine_harness import Req, drive, greedy, hf_greedy, make_engine
 from tests.models_fixtures import build_tiny_model
 from tests.test_attention_backends import CASES, HEAD_DIM, HEADS, prepare, random_pool
+from tests.test_kv_groups import KINDS  # Gemma 3 shaped: 4 block tables over 2 pool tensors
 
 CPU = torch.device("cpu")
 FAR = 10**9  # a page id far outside any pool: reading it would fail
@@ -232,9 +233,6 @@ def test_engines_serve_transformers_tokens_through_the_kernel(tiny, case) -> Non
         assert padded.steps > 0 and padded.attention is engine.runner.attention
 
 
-# Gemma 3 shaped: windowed and full layers in KV groups (4 block tables over 2 pool tensors)
-KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
-         "sliding_attention", "sliding_attention", "full_attention"]
 
 
 @pytest.mark.parametrize("arch,options", [
