@@ -21,8 +21,10 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 CUDAGRAPH_MODES = ("full_and_piecewise", "full", "none")
 # The max_lora_rank values vLLM allows (LMI passes the key to it): slots are this wide.
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Weight-only quantization applied at load (engine/models/int8_linear.py).
-QUANTIZATIONS = ("int8",)
+# option.quantize: int8 and fp8 quantize float weights at load (int8: weight-only; fp8: weights
+# and activations, engine/quant/linear.py); awq, gptq, fp8 and compressed-tensors name a
+# pre-quantized checkpoint's format (read from its config.json either way, engine/quant/).
+QUANTIZATIONS = ("int8", "fp8", "awq", "gptq", "compressed-tensors")
 # A busy step holds this many sequences or more (max_num_seqs, if fewer); the gauges time busy
 # steps alone: a step of one or two costs several times more per sequence (its fixed cost
 # shared by few) and leaves the host idle anyway. The HTTP threads' CPU priority is decided on
@@ -73,7 +75,8 @@ class EngineConfig:
     # Plan step n+1 while step n computes (its tokens feed step n+1 on the device). None: on
     # where the device runs asynchronously to the host (CUDA) and one rank computes.
     async_scheduling: bool | None = None
-    # None: weights in `dtype`; "int8": weight-only int8, one scale per output channel.
+    # None: weights in `dtype`, or as a pre-quantized checkpoint stores them; "int8"/"fp8":
+    # quantized at load (one scale per output channel); a format name must match the checkpoint.
     quantize: str | None = None
     # Ranks the model is sharded over (Megatron-style, engine/parallel/); -1: every visible
     # GPU (1 on CPU).

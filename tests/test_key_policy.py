@@ -20,8 +20,8 @@ def resolve(text: str = "", env: dict | None = None, model_dir: Path = Path("/mo
 
 
 @pytest.mark.parametrize(("line", "instead"), [
-    ("option.quantize=awq", "option.dtype"),
-    ("option.quantize=fp8", "int8"),
+    ("option.quantize=bitsandbytes", "config.json"),
+    ("option.quantize=squeezellm", "compressed-tensors"),
     ("option.lora_dtype=float16", "base model's dtype"),
     ("option.long_lora_scaling_factors=3.0", "option.max_lora_rank"),
     ("option.adapters=a", "<model dir>/adapters"),
@@ -48,6 +48,9 @@ def test_quantize_from_tgi_env_is_refused_too() -> None:
 @pytest.mark.parametrize("line", ["option.enable_lora=false", "option.lora_dtype=auto",
                                   "option.quantize=",
                                   "option.quantize=none", "option.quantize=int8",
+                                  "option.quantize=fp8", "option.quantize=awq",
+                                  "option.quantize=gptq_marlin",
+                                  "option.quantize=compressed-tensors",
                                   "option.enable_streaming=false", "engine=MPI",
                                   "option.device_map=auto", "option.task=text-generation"])
 def test_values_that_leave_a_feature_off_are_accepted(line: str) -> None:

@@ -106,8 +106,8 @@ class TransformersModel(nn.Module):
     def pack_linears(self, backend: str, batch_hint: int) -> int:
         """transformers' nn.Linear layers through a packed CPU backend (engine.models.linear);
         its other layer types (e.g. GPT-2's Conv1D) stay as they are."""
-        if backend == "int8":
-            raise ValueError("invalid quantize='int8': needs a native model without sparse "
+        if backend in ("int8", "fp8"):
+            raise ValueError(f"invalid quantize={backend!r}: needs a native model without sparse "
                              f"experts ({native_names(dense_only=True)}), not the transformers "
                              "fallback")
         return pack_linears(self.hf, backend, batch_hint)

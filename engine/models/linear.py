@@ -22,6 +22,7 @@ from engine.config import LINEAR_BACKENDS, EngineConfig
 from engine.kernels import load_kernels
 from engine.models.int8_linear import INT8_TOLERANCE, Int8Linear
 from engine.models.registry import native_names
+from engine.quant.linear import FP8_TOLERANCE, Fp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -109,18 +110,21 @@ def linear_candidates(name: str, device: torch.device, dtype: torch.dtype) -> li
 
 def linear_factory(backend: str, batch_hint: int = DECODE_BATCH_HINT
                    ) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module]:
-    """(weight, bias) → the packed layer of `backend` ("tiled", "onednn", or "int8": the
-    weight-only quantized layer of option.quantize)."""
+    """(weight, bias) → the packed layer of `backend` ("tiled", "onednn", or "int8" / "fp8":
+    the layers option.quantize quantizes at load)."""
     if backend == "tiled":
         return TiledLinear
     if backend == "int8":
         return Int8Linear
+    if backend == "fp8":
+        return Fp8Linear.from_float
     return lambda weight, bias: PackedLinear(weight, bias, batch_hint)
 
 
 def pack_linears(model: nn.Module, backend: str = "onednn",
-                 batch_hint: int = DECODE_BATCH_HINT) -> int:
-    """Replace every nn.Linear in `model` by `backend`'s packed layer; returns how many.
+                 batch_hint: int = DECODE_BATCH_HINT, keep: tuple[str, ...] = ()) -> int:
+    """Replace every nn.Linear in `model` (but its children named in `keep`) by `backend`'s
+    packed layer; returns how many.
 
     One layer of each shape is first checked against F.linear: ValueError (nothing replaced)
     when it disagrees. Layers are then swapped one at a time, so only one weight is held twice.
@@ -128,7 +132,8 @@ def pack_linears(model: nn.Module, backend: str = "onednn",
     make = linear_factory(backend, batch_hint)
     # (parent, attribute) only: holding the layers themselves would keep every old weight alive
     found = [(parent, name) for parent in model.modules()
-             for name, child in parent.named_children() if type(child) is nn.Linear]
+             for name, child in parent.named_children() if type(child) is nn.Linear
+             and not (parent is model and name in keep)]
     checked: set[tuple] = set()
     for parent, name in found:
         child = getattr(parent, name)
@@ -150,6 +155,8 @@ def packed_checked(make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module
     limit = TOLERANCE.get(weight.dtype, INT8_TOLERANCE)
     if make is Int8Linear:  # the weights are rounded to 8 bits on purpose
         limit = max(limit, INT8_TOLERANCE)
+    if make == Fp8Linear.from_float:  # weights and inputs rounded to float8 on purpose
+        limit = max(limit, FP8_TOLERANCE)
     if error > limit:
         raise ValueError(f"packed linear {name} differs from aten by {error:.1e} (relative)")
     return packed
@@ -174,19 +181,12 @@ def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.dev
                        dtype: torch.dtype) -> None:
     """Packed CPU matmuls: `auto` tries the tiled kernel, then oneDNN, then keeps aten; a
     backend asked for by name that fails or disagrees at start-up stops it. With
-    quantize=int8 every layer becomes an Int8Linear instead, on any device."""
+    quantize=int8 or fp8 every layer is quantized instead, on any device (a pre-quantized
+    checkpoint is served as it is: its float layers, lm_head among them, are packed)."""
     # duck-typed: a model without pack_linears is refused (int8) or fails every backend
     packable = cast(PacksLinears, model)
-    if config.quantize == "int8":
-        if not hasattr(model, "pack_linears"):
-            raise ValueError("invalid quantize='int8': needs a native model without sparse "
-                             f"experts ({native_names(dense_only=True)})")
-        count = packable.pack_linears("int8", min(config.max_num_seqs, 64))
-        fused = sum(1 for m in model.modules() if isinstance(m, Int8Linear) and m.kernel)
-        logger.info("weights quantized to int8 (weight-only, per output channel): %d layers, "
-                    "%d on PyTorch's fused int8 matmul, %d dequantized per step (no fused kernel "
-                    "for this device, dtype or shape); linear_backend is not used",
-                    count, fused, count - fused)
+    if config.quantize in ("int8", "fp8") and getattr(model, "quantization", None) is None:
+        _quantize_at_load(packable, config.quantize, config.max_num_seqs)
         return
     candidates = linear_candidates(config.linear_backend, device, dtype)
     for backend in candidates:
@@ -201,3 +201,24 @@ def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.dev
         return
     if candidates:
         logger.warning("linear_backend auto: no packed backend agreed; using aten matmuls")
+
+
+def _quantize_at_load(model: PacksLinears, quantize: str, max_num_seqs: int) -> None:
+    """option.quantize=int8|fp8 on float weights: every linear layer quantized, lm_head too."""
+    if not hasattr(model, "pack_linears"):
+        raise ValueError(f"invalid quantize={quantize!r}: needs a native model without sparse "
+                         f"experts ({native_names(dense_only=True)})")
+    count = model.pack_linears(quantize, min(max_num_seqs, 64))
+    if quantize == "fp8":
+        mm = sum(1 for m in cast(nn.Module, model).modules()
+                 if isinstance(m, Fp8Linear) and m.scaled_mm)
+        logger.info("weights quantized to fp8 e4m3 (one scale per output channel, activations "
+                    "per token): %d layers, %d on torch._scaled_mm, %d emulated (dequantized "
+                    "per step); linear_backend is not used", count, mm, count - mm)
+        return
+    fused = sum(1 for m in cast(nn.Module, model).modules()
+                if isinstance(m, Int8Linear) and m.kernel)
+    logger.info("weights quantized to int8 (weight-only, per output channel): %d layers, "
+                "%d on PyTorch's fused int8 matmul, %d dequantized per step (no fused kernel "
+                "for this device, dtype or shape); linear_backend is not used",
+                count, fused, count - fused)

@@ -171,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
 
     rope_cos: torch.Tensor  # buffers (init_rope), declared for the type checker
     rope_sin: torch.Tensor
+    quantization: str | None = None  # what a pre-quantized checkpoint holds (the loader sets it)
 
     def __init__(self, config: dict, spec: ModelSpec, shard: Shard | None = None,
                  comm: Collectives | None = None) -> None:
@@ -306,10 +307,12 @@ class LlamaForCausalLM(nn.Module):
         """Every matmul through a packed CPU backend (engine.models.linear). A tied lm_head gets
         a packed copy of the embedding (vocab x hidden more memory), the lookup keeps the
         original."""
-        if backend == "int8" and self.layers[0].moe is not None:
-            raise ValueError("invalid quantize='int8': the sparse experts of "
-                             f"{self.spec.architecture} hold most of its weights and int8 does "
-                             "not cover them yet; serve it in bf16/fp16")
+        if backend in ("int8", "fp8") and self.layers[0].moe is not None:
+            raise ValueError(f"invalid quantize={backend!r}: the sparse experts of "
+                             f"{self.spec.architecture} hold most of its weights and {backend} "
+                             "does not cover them yet; serve it in bf16/fp16")
+        if backend == "fp8":  # as vLLM's --quantization fp8: the LM head stays in full precision
+            return pack_linears(self, backend, batch_hint, keep=("lm_head",))
         tied = None
         if self.lm_head is None:
             tied = packed_checked(linear_factory(backend, batch_hint), self.embed_tokens.weight,

@@ -15,6 +15,8 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import NATIVE_ARCHITECTURES, PICKLE_SUFFIXES, Family, native_names
 from engine.models.spec import ModelSpec
 from engine.parallel.shard import Shard
+from engine.quant.load import load_quantized, materialize
+from engine.quant.scheme import scheme_from_config
 
 if TYPE_CHECKING:
     from engine.parallel.comm import Collectives
@@ -83,15 +85,23 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                shard: Shard | None = None, comm: Collectives | None = None,
-               trust_remote_code: bool = False, model_impl: str = "auto"):
+               trust_remote_code: bool = False, model_impl: str = "auto",
+               quantize: str | None = None):
     """Build the native model for the folder's architecture (this rank's shard of it); returns
     (model, ModelSpec of what this rank holds).
 
     The modules are built on the meta device and materialised empty in `dtype` on `device`;
     each checkpoint tensor is then read, one at a time, as the slice this rank keeps. The host
-    never holds a full-precision copy of the model, nor more than one tensor beyond it."""
+    never holds a full-precision copy of the model, nor more than one tensor beyond it.
+    A pre-quantized checkpoint (config.json's quantization_config) keeps its quantized layers
+    quantized (engine/quant/); `quantize` is option.quantize, checked against it."""
     config = read_config(model_dir)
     arch = (config.get("architectures") or ["?"])[0]
+    scheme = scheme_from_config(config, quantize)
+    if scheme is not None and (arch not in NATIVE_ARCHITECTURES or model_impl == "transformers"
+                               or model_cls_lacks(arch, config)):
+        raise ValueError(f"{arch} with a quantized checkpoint ({scheme.fmt}): quantized "
+                         f"checkpoints load natively only; native: {native_names()}")
     if arch not in NATIVE_ARCHITECTURES and model_impl == "native":
         raise ValueError(f"architecture {arch} is not supported natively (model_impl=native); "
                          f"native: {native_names()}")
@@ -109,13 +119,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = model_cls(config, model_cls.spec_from_config(arch, config), shard, comm)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    # quantized layers replace their float ones while those are still unallocated (meta)
+    quantized = set() if scheme is None else load_quantized(model, files, scheme, dtype, device)
+    materialize(model, device)
     model.init_rope()
-    read_weights(model, files)
+    read_weights(model, files, skip=quantized)
+    model.quantization = None if scheme is None else scheme.describe()
     model.eval()
     logger.info("loaded %s natively (%.1f M parameters on this rank) from %s as %s on %s", arch,
                 sum(p.numel() for p in model.parameters()) / 1e6, model_dir, dtype, device)
     return model, model.spec
+
+
+def model_cls_lacks(arch: str, config: dict) -> bool:
+    """Whether the native modules of a native architecture cannot run this config."""
+    return _FAMILIES[NATIVE_ARCHITECTURES[arch].family].unsupported(arch, config) is not None
 
 
 def _load_fallback(model_dir: str | Path, config: dict, arch: str, dtype: torch.dtype,
@@ -132,7 +151,8 @@ def _load_fallback(model_dir: str | Path, config: dict, arch: str, dtype: torch.
 
 
 @torch.no_grad()
-def read_weights(model, files: list[Path]) -> None:
+def read_weights(model, files: list[Path], skip: set[str] | frozenset[str] = frozenset()
+                 ) -> None:
     """Copy each checkpoint tensor's slice for this rank into place (cast on the way); raises
     ValueError on a tensor the model has no place for, a wrong shape, or a missing weight."""
     params = dict(model.named_parameters())
@@ -143,6 +163,8 @@ def read_weights(model, files: list[Path]) -> None:
         with open_checkpoint(file) as f:
             names = list(f.keys())
         for name in names:
+            if name in skip:  # read by the quantized loader
+                continue
             for place in model.weight_placements(name):
                 param = params.get(place.target)
                 if param is None:

@@ -79,7 +79,7 @@ def build_rank(config: EngineConfig, device: torch.device, shard: Shard | None =
     shard = shard or Shard()
     dtype = resolve_dtype(config.dtype, device)
     model, spec = load_model(config.model, dtype, device, shard, comm, config.trust_remote_code,
-                             config.model_impl)
+                             config.model_impl, config.quantize)
     if loaded is not None:
         loaded()
     pack_model_linears(model, config, device, dtype)

@@ -36,14 +36,18 @@ def tensor_parallel(r: Reader, key: Key) -> int:
 
 
 def quantize(r: Reader, key: Key) -> str | None:
-    """int8 weight-only, quantized at load; LMI's checkpoint formats are refused."""
+    """int8 / fp8 quantized at load, or the format of a pre-quantized checkpoint (awq, gptq,
+    fp8, compressed-tensors; vLLM's marlin spellings map to them). Unset is what LMI advises:
+    the checkpoint's config.json says its format."""
     value = (r.raw(key.name) or "none").lower()
+    value = {"awq_marlin": "awq", "gptq_marlin": "gptq", "marlin": "gptq",
+             "compressed_tensors": "compressed-tensors", "fbgemm_fp8": "fp8"}.get(value, value)
     if value == "none":
         return None
     if value not in QUANTIZATIONS:
-        r.fail(key.name, f"{' or '.join(QUANTIZATIONS)} (weight-only, quantized at load from "
-               "float weights); AWQ/GPTQ/fp8/bitsandbytes checkpoints are not supported: serve "
-               "fp16/bf16/fp32 weights (option.dtype)")
+        r.fail(key.name, f"one of {', '.join(QUANTIZATIONS)}, or unset to serve a quantized "
+               "checkpoint as its config.json says (bitsandbytes, eetq, exl2 and squeezellm are "
+               "not served)")
     return value
 
 
