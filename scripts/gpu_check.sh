@@ -152,7 +152,9 @@ want tests && step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider ${P
     "tests/test_attention_triton.py::test_compiled_kernel_on_cuda_matches_dense_attention" \
     "tests/test_attention_triton.py::test_cuda_engine_with_graphs_gives_generate_greedy_tokens" \
     "tests/test_triton_ops.py::test_compiled_ops_pass_their_check_on_cuda" \
-    "tests/test_lora.py::test_lora_on_cuda_with_graphs_gives_peft_tokens"
+    "tests/test_lora.py::test_lora_on_cuda_with_graphs_gives_peft_tokens" \
+    "tests/test_triton_wq.py" \
+    "tests/test_quant_checkpoints.py::test_cuda_fast_paths_pass_their_check_and_serve_the_emulated_tokens"
 want tests && grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/log.txt" | tail -1 \
     >> "$OUT/summary.txt"
 

@@ -272,3 +272,25 @@ def test_compressed_tensors_checkpoints_serve_as_transformers_loads_them(checkpo
                                            in zip(PROMPTS, NEW_TOKENS, strict=True)])
     folder, want = checkpoints.made[name]
     assert served(folder, batching) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["ct-int4", "ct-fp8-channel"])
+def test_cuda_fast_paths_pass_their_check_and_serve_the_emulated_tokens(checkpoints,
+                                                                        name) -> None:
+    """On a GPU in bfloat16: the Triton int GEMM / torch._scaled_mm are chosen (they passed the
+    start-up check) and serve what the emulated path serves with graphs on."""
+    folder, _ = checkpoints.get(name)
+    runs = {}
+    for devices in (("cuda",), ()):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(quant_linear, "KERNEL_DEVICES", devices)
+            engine = make_engine(folder, "paged", device="cuda", dtype="bfloat16")
+            layer = engine.runner.model.layers[0].qkv_proj
+            assert (layer.kernel if name == "ct-int4" else layer.scaled_mm) == bool(devices)
+            reqs = staggered_requests(PROMPTS, NEW_TOKENS, ARRIVALS)
+            drive(engine, reqs)
+            engine.close()
+        runs[devices] = [r.tokens for r in reqs]
+    # bf16 rounding may flip a late near-tie; the first tokens of each request agree
+    assert [t[:3] for t in runs[("cuda",)]] == [t[:3] for t in runs[()]]
