@@ -5,7 +5,8 @@ never written to memory (decode is bound by reading weights: 4 bits read a quart
 The weight layout is the loader's, fixed:
   codes  uint8 [N, K // 2] (bits 4: input column 2j in byte j's low nibble, 2j + 1 in its high
          nibble) or [N, K] (bits 8); unsigned codes 0 .. 2^bits - 1
-  scales [N, K // G] (float32, or the checkpoint's float16 / bfloat16), zeros uint8 [N, K // G] (symmetric formats store 2^(bits - 1)),
+  scales [N, K // G] (float32, or the checkpoint's float16 / bfloat16), zeros uint8
+         [N, K // G] (symmetric formats store 2^(bits - 1)),
          group g covering input columns [g G, (g + 1) G)
   W[n, k] = (codes[n, k] - zeros[n, k // G]) * scales[n, k // G], in float32.
 
