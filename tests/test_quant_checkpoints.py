@@ -221,6 +221,11 @@ Q = "model.layers.0.self_attn.q_proj"
     ("gptq", lambda c: c.update(bits=5), None, "quantization_config.bits=5"),
     ("awq", lambda c: c.update(version="gemv"), None, "quantization_config.version='gemv'"),
     ("ct-int4", lambda c: c.update(format="marlin-24"), None, "format='marlin-24'"),
+    ("ct-fp8-channel", lambda c: c.update(kv_cache_scheme={"num_bits": 8}), None,
+     "kv_cache_scheme"),
+    ("awq", None, lambda t: t.update({f"{Q}.qweight": t[f"{Q}.qweight"][0]}),
+     f"{Q}.qweight has 1 dimensions"),
+    ("gptq", None, lambda t: t.update({f"{Q}.bias": torch.ones(64)}), f"{Q}.bias is not zero"),
 ])
 def test_bad_checkpoints_are_refused_by_name(checkpoints, tmp_path, name, config, tensors,
                                              message) -> None:
@@ -251,11 +256,12 @@ def test_option_quantize_must_match_the_checkpoint(checkpoints) -> None:
         load(checkpoints.src, quantize="awq")
 
 
-def test_a_tensor_parallel_degree_that_splits_a_group_is_refused(checkpoints) -> None:
-    """o_proj's 64 input columns split in two are 32 per rank: groups of 64 would be cut."""
-    folder = checkpoints.folder("gptq-group-64", fmt="gptq", group_size=64)
+def test_a_tensor_parallel_degree_that_splits_a_group_is_refused(tmp_path) -> None:
+    """down_proj's 96 input columns split in two are 48 per rank: groups of 32 would be cut."""
+    src = build_tiny_model(tmp_path / "float", intermediate_size=96)
+    folder = quantize_folder(src, tmp_path / "gptq", "gptq", group_size=32)
     load(folder)  # whole: served
-    with pytest.raises(ValueError, match="o_proj.*cut quantization groups of 64"):
+    with pytest.raises(ValueError, match="down_proj.*cut quantization groups of 32"):
         load(folder, Shard(1, 2))
 
 
@@ -294,3 +300,49 @@ def test_cuda_fast_paths_pass_their_check_and_serve_the_emulated_tokens(checkpoi
         runs[devices] = [r.tokens for r in reqs]
     # bf16 rounding may flip a late near-tie; the first tokens of each request agree
     assert [t[:3] for t in runs[("cuda",)]] == [t[:3] for t in runs[()]]
+
+
+def test_zero_biases_of_older_gptq_tools_are_passed_over(checkpoints, tmp_path) -> None:
+    def zero_biases(t: dict) -> None:
+        for name in [n for n in t if n.endswith(".qweight")]:
+            t[name.replace(".qweight", ".bias")] = torch.zeros(t[name].shape[1],
+                                                              dtype=torch.float16)
+
+    folder = edited_copy(checkpoints.folder("gptq"), tmp_path / "biased", None, zero_biases)
+    model, _ = load(folder)
+    assert model.layers[0].qkv_proj.bias is None
+
+
+def test_autoawq_quant_config_json_is_read_where_config_json_has_none(checkpoints,
+                                                                    tmp_path) -> None:
+    folder = tmp_path / "legacy"
+    shutil.copytree(checkpoints.folder("awq"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "quant_config.json").write_text(json.dumps(
+        {"zero_point": True, "q_group_size": quant["group_size"], "w_bit": 4, "version": "GEMM"}))
+    model, _ = load(folder)
+    assert isinstance(model.layers[0].qkv_proj, IntQuantLinear)
+
+
+@pytest.mark.parametrize("name", ["gptq-8bit-per-channel", "ct-int8-channel"])
+def test_per_channel_scales_split_at_any_column(checkpoints, name) -> None:
+    """One scale per row: the row-parallel layers' input columns cut anywhere."""
+    extra = {"fmt": "ct-int", "bits": 8, "strategy": "channel"} if name.endswith("channel") else {}
+    folder = checkpoints.folder(name, **extra)
+    whole, _ = load(folder)
+    want = whole.layers[0].down_proj.dequantized(torch.float32)
+    halves = [load(folder, Shard(rank, 2))[0].layers[0].down_proj.dequantized(torch.float32)
+              for rank in range(2)]
+    assert torch.equal(torch.cat(halves, dim=1), want)
+
+
+def test_a_kernel_giving_nan_at_start_up_is_left_off(checkpoints, monkeypatch) -> None:
+    from engine.kernels import triton_wq
+
+    monkeypatch.setattr(quant_linear, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(triton_wq, "wq_matmul", lambda x, *a, **k: torch.full(
+        (x.shape[0], a[0].shape[0]), float("nan")))
+    model, _ = load(checkpoints.folder("ct-int4"))
+    assert not model.layers[0].qkv_proj.kernel

@@ -204,7 +204,8 @@ def pack_model_linears(model: nn.Module, config: EngineConfig, device: torch.dev
 
 
 def _quantize_at_load(model: PacksLinears, quantize: str, max_num_seqs: int) -> None:
-    """option.quantize=int8|fp8 on float weights: every linear layer quantized, lm_head too."""
+    """option.quantize=int8|fp8 on float weights: every linear layer quantized (int8: lm_head
+    too; fp8 keeps it, and a tied one stays the embedding's, in full precision)."""
     if not hasattr(model, "pack_linears"):
         raise ValueError(f"invalid quantize={quantize!r}: needs a native model without sparse "
                          f"experts ({native_names(dense_only=True)})")

@@ -44,11 +44,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
+# AutoAWQ's and AutoGPTQ's own files, read where config.json has no quantization_config
+LEGACY_QUANT_FILES = (("quant_config.json", "awq"), ("quantize_config.json", "gptq"))
+
+
 def read_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json: not a transformers model folder")
-    return read_json_object(path)
+    config = read_json_object(path)
+    for name, method in LEGACY_QUANT_FILES:
+        legacy = Path(model_dir) / name
+        if "quantization_config" not in config and legacy.is_file():
+            config["quantization_config"] = {"quant_method": method,
+                                             **read_json_object(legacy)}
+    return config
 
 
 def spec_from_files(model_dir: str | Path, model_impl: str = "auto",

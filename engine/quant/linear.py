@@ -16,6 +16,7 @@ quantize-dequantize the input, dequantize the weight, F.linear.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +112,7 @@ class IntQuantLinear(nn.Module):
                 or self.bits not in (4, 8) or not self.packed and self.bits == 4
                 or self.group % 16):
             return False
+        bias, self.bias = self.bias, None  # (not read yet: the probe goes without it)
         try:
             probe = torch.randn(5, self.in_features, device=self.codes.device, dtype=dtype)
             self.kernel = True
@@ -120,12 +122,19 @@ class IntQuantLinear(nn.Module):
         except Exception as err:  # noqa: BLE001 - any kernel failure falls back, loudly
             _warn_once("wq-fail", "int weight kernel failed (%s); dequantizing instead", err)
             return False
-        error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-        if error > KERNEL_TOLERANCE.get(dtype, 2e-2):
+        finally:
+            self.bias = bias
+        error = _relative_error(got, want)
+        if not math.isfinite(error) or error > KERNEL_TOLERANCE.get(dtype, 2e-2):
             _warn_once("wq-bad", "int weight kernel differs from dequantized weights by %.1e "
                        "(relative); dequantizing instead", error)
             return False
         return True
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want| (NaN when either holds a NaN)."""
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def _dequant_reordered(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -162,6 +171,9 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weights.weight.shape
         self.block, self.act = weights.block, act
+        if act is not None and act.kind == "group" and self.in_features % act.group:
+            raise ValueError(f"fp8 activations quantized in groups of {act.group} need input "
+                             f"columns in whole groups; this layer has {self.in_features}")
         self.register_buffer("weight", weights.weight.to(device).contiguous())
         self.register_buffer("scales", weights.scales.to(device, torch.float32).contiguous())
         self.input_scale: torch.Tensor | None
@@ -238,16 +250,20 @@ class Fp8Linear(nn.Module):
                        "_scaled_mm for this GPU, dtype or scale layout)")
             return False
         probe = torch.randn(5, self.in_features, device=device, dtype=dtype)
+        bias, self.bias = self.bias, None  # (not read yet: the probe goes without it)
         try:
             self.scaled_mm = True
             got = self.forward(probe).float()
+            self.scaled_mm = False
+            want = self.forward(probe).float()
         except Exception as err:  # noqa: BLE001 - any kernel failure falls back, loudly
             _warn_once("fp8-fail", "torch._scaled_mm failed (%s); fp8 layers dequantize", err)
+            self.scaled_mm = False
             return False
-        self.scaled_mm = False
-        want = self.forward(probe).float()
-        error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-        if error > KERNEL_TOLERANCE.get(dtype, 2e-2):
+        finally:
+            self.bias = bias
+        error = _relative_error(got, want)
+        if not math.isfinite(error) or error > KERNEL_TOLERANCE.get(dtype, 2e-2):
             _warn_once("fp8-bad", "torch._scaled_mm differs from the emulated fp8 matmul by "
                        "%.1e (relative); fp8 layers dequantize", error)
             return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +34,8 @@ from engine.quant.unpack import (
 
 logger = logging.getLogger(__name__)
 
+QUANTIZED_LAYERS = (IntQuantLinear, Fp8Linear)
+
 
 class PlacedModel(Protocol):
     """A native model: where each checkpoint tensor lands (engine/models/placement.py)."""
@@ -40,6 +43,8 @@ class PlacedModel(Protocol):
     def weight_placements(self, name: str) -> list: ...
 
     def get_submodule(self, target: str) -> nn.Module: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
 
 
 def load_quantized(model: PlacedModel, files: list[Path], scheme: QuantScheme,
@@ -67,8 +72,20 @@ def load_quantized(model: PlacedModel, files: list[Path], scheme: QuantScheme,
             raise ValueError(f"{floats[layer]} is stored in full precision, while "
                              f"{prefixes[0]}, fused with it into {layer}, is quantized")
         _replace_layer(model, layer, sorted(set(prefixes)), where, scheme, dtype, device, read)
-    logger.info("quantized checkpoint: %s, %d layers", scheme.describe(), len(by_layer))
+    _log_paths(model, scheme)
     return read
+
+
+def _log_paths(model: PlacedModel, scheme: QuantScheme) -> None:
+    """Say how many layers run the fast path (Triton int GEMM, torch._scaled_mm) and how many
+    dequantize every step."""
+    layers = [m for m in model.modules() if isinstance(m, QUANTIZED_LAYERS)]
+    fast = sum(1 for m in layers if getattr(m, "kernel", False) or getattr(m, "scaled_mm", False))
+    logger.info("quantized checkpoint: %s, %d layers: %d on %s, %d dequantized per step%s",
+                scheme.describe(), len(layers), fast,
+                "torch._scaled_mm" if scheme.is_float else "the Triton int GEMM",
+                len(layers) - fast, "" if fast == len(layers) else
+                " (CPU, act-order, 2/3-bit codes, block scales or a failed start-up check)")
 
 
 def _tensor_files(files: list[Path]) -> dict[str, Path]:
@@ -126,6 +143,8 @@ def _replace_layer(model: PlacedModel, layer: str, prefixes: list[str], where: d
                 parts.append((place.offset, _cut(decoded, place.index, prefix)))
     whole = _stack(parts, old.out_features, old.in_features, layer)
     bias = None if old.bias is None else torch.empty(old.out_features)  # read later
+    if bias is None:
+        _skip_zero_biases(prefixes, where, layer, read)
     new: nn.Module
     if isinstance(whole, IntWeights):
         new = IntQuantLinear(whole, scheme.bits, bias, dtype, device)
@@ -133,6 +152,20 @@ def _replace_layer(model: PlacedModel, layer: str, prefixes: list[str], where: d
         new = Fp8Linear(whole, scheme.activations, bias, dtype, device)
     parent, _, attr = layer.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, new)
+
+
+def _skip_zero_biases(prefixes: list[str], where: dict[str, Path], layer: str,
+                      read: set[str]) -> None:
+    """Older GPTQ tools store a zero bias beside every quantized layer, biased or not: where
+    the architecture has none, such zeros are passed over (anything else is refused)."""
+    for prefix in prefixes:
+        name = f"{prefix}.bias"
+        if name in where:
+            with open_checkpoint(where[name]) as f:
+                if f.get_tensor(name).count_nonzero():
+                    raise ValueError(f"{name} is not zero, and {layer} has no bias in this "
+                                     "architecture")
+            read.add(name)
 
 
 def _cut(decoded: Decoded, index: tuple[slice, ...] | None, name: str) -> Decoded:
@@ -221,8 +254,6 @@ def _stack_float(parts: list[FloatWeights], pad: int, layer: str) -> FloatWeight
     return replace(first, weight=weight, scales=scales, input_scale=torch.stack(inputs),
                    bounds=tuple(starts))
 
-
-QUANTIZED_LAYERS = (IntQuantLinear, Fp8Linear)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:

@@ -150,6 +150,9 @@ def _fp8(raw: dict) -> QuantScheme:
 
 def _compressed(raw: dict) -> QuantScheme:
     fmt = _field(raw, "format", ("pack-quantized", "float-quantized"))
+    if raw.get("kv_cache_scheme"):
+        raise ValueError("config.json quantization_config.kv_cache_scheme: a quantized KV cache "
+                         "is not served (the KV pool holds the model's dtype)")
     _field(raw, "quantization_status", ("compressed",), "compressed")
     groups = raw.get("config_groups") or {}
     if not isinstance(groups, dict) or len(groups) != 1:

@@ -37,6 +37,8 @@ class IntWeights:
         start, stop = index.start or 0, self.codes.shape[1] if index.stop is None else index.stop
         if self.g_idx is not None:
             return replace(self, codes=self.codes[:, index], g_idx=self.g_idx[index])
+        if self.scales.shape[1] == 1:  # one scale per row: any cut keeps it
+            return replace(self, codes=self.codes[:, index], group=stop - start)
         if start % self.group or (stop - start) % self.group:
             raise ValueError(f"{name}: this tensor-parallel split takes input columns "
                              f"{start}:{stop}, which cut quantization groups of {self.group}; "
@@ -105,6 +107,8 @@ class _Tensors:
             if required:
                 raise ValueError(f"the checkpoint lacks {self.name}.{suffix}")
             return None  # type: ignore[return-value]
+        if suffix in MATRICES and tensor.dim() != 2:
+            raise ValueError(f"{self.name}.{suffix} has {tensor.dim()} dimensions; expected 2")
         if tensor.dtype not in dtypes:
             raise ValueError(f"{self.name}.{suffix} is {tensor.dtype}; expected "
                              f"{' or '.join(map(str, dtypes))}")
@@ -115,6 +119,7 @@ class _Tensors:
 
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+MATRICES = {"qweight", "qzeros", "scales", "weight_packed", "weight", "weight_scale_inv"}
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
