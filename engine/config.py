@@ -25,6 +25,8 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # and activations, engine/quant/linear.py); awq, gptq, fp8 and compressed-tensors name a
 # pre-quantized checkpoint's format (read from its config.json either way, engine/quant/).
 QUANTIZATIONS = ("int8", "fp8", "awq", "gptq", "compressed-tensors")
+# speculative_method: None (off) or a proposer engine/spec/ runs
+SPECULATIVE_METHODS = (None, "ngram")
 # A busy step holds this many sequences or more (max_num_seqs, if fewer); the gauges time busy
 # steps alone: a step of one or two costs several times more per sequence (its fixed cost
 # shared by few) and leaves the host idle anyway. The HTTP threads' CPU priority is decided on
@@ -98,6 +100,15 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Speculative decoding (engine/spec/): "ngram" (prompt lookup) or None; up to
+    # num_speculative_tokens proposals per sequence and step, from the latest earlier match of
+    # its last prompt_lookup_max..prompt_lookup_min tokens; none while more than
+    # speculative_disable_batch_size sequences run.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    speculative_disable_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.batching in BATCHING_STRATEGIES, "batching", self.batching,
@@ -130,6 +141,16 @@ class EngineConfig:
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a fraction in (0, 1]")
         _check(self.max_loras >= 1, "max_loras", self.max_loras, "an integer >= 1")
+        _check(self.speculative_method in SPECULATIVE_METHODS, "speculative_method",
+               self.speculative_method, "None or 'ngram'")
+        _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
+               self.num_speculative_tokens, "an integer in 1..16")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+               self.prompt_lookup_min, f"an integer in 1..prompt_lookup_max "
+               f"({self.prompt_lookup_max})")
+        _check(self.speculative_disable_batch_size is None
+               or self.speculative_disable_batch_size >= 1, "speculative_disable_batch_size",
+               self.speculative_disable_batch_size, "None or an integer >= 1")
         _check(self.max_lora_rank in MAX_LORA_RANKS, "max_lora_rank", self.max_lora_rank,
                f"one of {', '.join(map(str, MAX_LORA_RANKS))}")
         _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,

@@ -19,6 +19,7 @@ from engine.outputs import Gauges, SampledToken, StepStats, TokenEvent
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, build_scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.spec.speculator import Speculator
 from engine.text.output_processor import OutputProcessor, StepOutput
 from engine.text.tokenizer_files import load_tokenizer
 
@@ -45,6 +46,8 @@ class _InFlight:
     result: StepResult
     # a sequence it samples cannot be planned before its token is known (grammar, penalties)
     blocks_planning: bool
+    # it verifies proposals (speculative decoding): some sequences get several tokens
+    speculative: bool = False
 
 
 class LLMEngine:
@@ -76,6 +79,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._last_batch: ScheduledBatch | None = None
         self._preemptions_reported = 0  # by last_step_stats, which reports the new ones
+        self._spec_reported = (0, 0, 0)  # speculation's counters, likewise
         self._busy_step_seconds = 0.0  # busy steps' time, and their sequences, for the gauges
         self._busy_sequence_steps = 0
         self.phases: PhaseClock = NoPhases()
@@ -86,6 +90,12 @@ class LLMEngine:
         self.async_scheduling = False  # from_config decides (engine/observe/async_check.py)
         self._in_flight: _InFlight | None = None
         self._at_risk: list[ScheduledBatch] = []  # scheduled, tokens not read: a failure ends them
+        # speculative decoding (engine/spec/): proposes before each schedule, verifies after
+        self.speculator: Speculator | None = None
+        if config.speculative_method is not None:
+            self.speculator = Speculator(
+                config.num_speculative_tokens, config.prompt_lookup_min,
+                config.prompt_lookup_max, max_model_len, config.speculative_disable_batch_size)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -336,7 +346,14 @@ class LLMEngine:
         self._in_flight = launched
 
     def _schedule(self) -> ScheduledBatch | None:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self._last_batch = self.scheduler.schedule()
+        if self.speculator is not None:  # proposals of sequences not scheduled now go
+            scheduled = set(batch.seqs) if batch is not None else set()
+            for seq in self.scheduler.running:
+                if seq.num_drafts and seq not in scheduled:
+                    seq.withdraw_drafts()
         if batch is not None:
             self._at_risk.append(batch)
         self.phases.mark("schedule")
@@ -348,7 +365,7 @@ class LLMEngine:
                      if batch.is_sampled(i))
         result = self.runner.launch(batch)  # marks prepare, forward and sample
         self.scheduler.advance(batch)
-        return _InFlight(batch, result, blocks)
+        return _InFlight(batch, result, blocks, any(seq.num_drafts for seq in batch.seqs))
 
     def _land_in_flight(self) -> None:
         step, self._in_flight = self._in_flight, None
@@ -358,10 +375,50 @@ class LLMEngine:
     def _land(self, step: _InFlight) -> None:
         """Read a launched step's tokens: append them, retire what they end, and queue their
         outputs (the batch is then no longer at risk)."""
+        if step.speculative:
+            self._land_speculative(step)
+            return
         samples = step.result.tokens()
         self.scheduler.resolve(step.batch, samples)
         self._at_risk = [batch for batch in self._at_risk if batch is not step.batch]
         self._ready += self._outputs(step.batch, samples)
+
+    def _land_speculative(self, step: _InFlight) -> None:
+        """A step that verified proposals: each such sequence takes its accepted proposals and
+        one more token (one output each, in order); the others land as usual."""
+        assert self.speculator is not None  # only it proposes
+        samples: list[SampledToken | None] = []
+        taken: dict[int, tuple[int, list[SampledToken]]] = {}  # seq id -> (outputs before, …)
+        for seq, rows in zip(step.batch.seqs, step.result.rows_by_seq(), strict=True):
+            if not (seq.num_drafts and rows and not seq.is_finished):
+                samples.append(rows[-1] if rows else None)
+                continue
+            before = seq.num_verified_tokens - seq.num_prompt_tokens
+            drafts = seq.token_ids[-seq.num_drafts - 1:-1]
+            yielded = self.speculator.verify(seq, drafts, rows)
+            count = self.scheduler.take_speculated(seq, [t.token_id for t in yielded])
+            taken[seq.seq_id] = (before, yielded[:count])
+            samples.append(None)  # taken above
+        self.scheduler.resolve(step.batch, samples)
+        self._at_risk = [batch for batch in self._at_risk if batch is not step.batch]
+        self.speculator.log_metrics()
+        for seq, sample in zip(step.batch.seqs, samples, strict=True):
+            req = self._requests.get(seq.seq_id)
+            if req is None:
+                continue
+            if sample is not None:
+                self._ready.append(self._output(req, sample))
+            elif seq.seq_id in taken:
+                self._ready += self._outputs_of(req, *taken[seq.seq_id])
+
+    def _outputs_of(self, req: _Request, before: int,
+                    tokens: list[SampledToken]) -> list[StepOutput]:
+        """One output per token a verifying step gave `req`; the last carries its ending."""
+        seq = req.seq
+        outputs = [StepOutput(req.request_id, t.token_id, t.logprob, seq.num_prompt_tokens,
+                              before + j, None, None, t.top_logprobs)
+                   for j, t in enumerate(tokens[:-1], start=1)]
+        return outputs + [self._output(req, tokens[-1])]
 
     def measure_phases(self, phases: PhaseClock) -> None:
         """Time each phase of later steps with `phases` (NoPhases turns it off)."""
@@ -374,6 +431,7 @@ class LLMEngine:
         preempted = self.scheduler.num_preemptions - self._preemptions_reported
         self._preemptions_reported = self.scheduler.num_preemptions
         num_seqs = len(batch.seqs) if batch else 0
+        spec = self._spec_since_last_stats()
         if num_seqs >= self.config.busy_step_sequences:
             self._busy_step_seconds += seconds
             self._busy_sequence_steps += num_seqs
@@ -384,7 +442,17 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             kv_blocks_used=allocator.num_used_blocks, kv_blocks_total=allocator.num_blocks,
             num_preemptions=preempted, step_seconds=seconds,
-            graph=batch is not None and self.runner.last_step_graph)
+            graph=batch is not None and self.runner.last_step_graph,
+            spec_drafts=spec[0], spec_draft_tokens=spec[1], spec_accepted_tokens=spec[2])
+
+    def _spec_since_last_stats(self) -> tuple[int, int, int]:
+        """Speculative decoding's counters since the previous call (zeros without it)."""
+        if self.speculator is None:
+            return 0, 0, 0
+        c = self.speculator.counters
+        now = (c.drafts, c.draft_tokens, c.accepted_tokens)
+        before, self._spec_reported = self._spec_reported, now
+        return now[0] - before[0], now[1] - before[1], now[2] - before[2]
 
     def gauges(self) -> Gauges:
         """The scheduler's and the pool's state now (call on the thread that steps)."""

@@ -52,6 +52,11 @@ class StepStats(NamedTuple):
     num_preemptions: int  # since the previous StepStats (each counted once)
     step_seconds: float
     graph: bool = False  # the step replayed a CUDA graph (else it ran eagerly)
+    # speculative decoding, since the previous StepStats: proposals verified, tokens proposed,
+    # tokens accepted (vLLM's spec_decode counters)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Gauges(NamedTuple):

@@ -84,6 +84,9 @@ class Sequence:
         # The LoRA registration it runs with ("name@n", engine/lora/manager.py), None: the base
         # model. Set when it is queued; keys its prefix cache blocks and its device slot.
         self.lora_key: str | None = None
+        # Speculative decoding (engine/spec/): trailing proposed tokens, scheduled with its last
+        # one and verified by the step's samples; never cached, never reported until accepted.
+        self.num_drafts = 0
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
@@ -131,6 +134,37 @@ class Sequence:
     @property
     def num_known_output_tokens(self) -> int:
         return self.num_known_tokens - self.num_prompt_tokens
+
+    @property
+    def num_verified_tokens(self) -> int:
+        """Tokens the host knows that are not proposals awaiting verification."""
+        return self.num_known_tokens - self.num_drafts
+
+    def propose(self, drafts: list[int]) -> None:
+        """Append speculative tokens after the last sampled one, to be verified in one step."""
+        assert not self.num_drafts and not self.num_pending and self.num_uncomputed_tokens == 1
+        self.token_ids += drafts
+        self.num_drafts = len(drafts)
+
+    def withdraw_drafts(self) -> None:
+        """Drop the proposals not yet computed (no room for them, preempted)."""
+        if self.num_drafts:
+            assert not self.num_pending, "withdrawn after its step launched"
+            del self.token_ids[-self.num_drafts:]
+            self.num_drafts = 0
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
+
+    def settle_drafts(self) -> list[int]:
+        """Its verifying step's samples arrived: remove the proposals and the pending place
+        after them (the accepted ones come back through append_token); returns the
+        proposals."""
+        k = self.num_drafts
+        assert k and self.num_pending == 1 and self.token_ids[-1] == PENDING_TOKEN
+        drafts = self.token_ids[-k - 1:-1]
+        del self.token_ids[-k - 1:]
+        self.num_pending = self.num_drafts = 0
+        self.num_computed_tokens = self.num_tokens
+        return drafts
 
     @property
     def awaits_last_token(self) -> bool:
@@ -185,6 +219,9 @@ class Sequence:
         if self.num_pending:
             del self.token_ids[self.num_known_tokens:]
             self.num_pending = 0
-            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
+        if self.num_drafts:  # unverified proposals are no output
+            del self.token_ids[-self.num_drafts:]
+            self.num_drafts = 0
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason

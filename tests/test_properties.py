@@ -187,7 +187,7 @@ OTHER_BACKENDS = (
     "option.pipeline_parallel_size", "option.tensor_parallel_size", "option.max_logprobs",
     "option.code_revision", "option.tokenizer_revision", "option.cpu_offload_gb",
     "option.preemption_mode", "option.num_gpu_blocks_override", "option.speculative_model",
-    "option.num_speculative_tokens", "option.speculative_length", "option.draft_model_id",
+    "option.num_speculative_tokens", "option.draft_model_id",
     "option.served_model_name", "option.tokenizer", "option.max_parallel_loading_workers",
     "option.batch_scheduler_policy", "option.kv_cache_free_gpu_mem_fraction",
     "option.enable_kv_cache_reuse", "option.n_positions", "option.neuron_optimize_level",

@@ -98,11 +98,13 @@ class BlockManager(KVAllocator):
 
     def release_outside_window(self, seq: Sequence) -> None:
         """Give back the blocks whose positions no later query of `seq` can see: the next one
-        (at position num_computed_tokens) sees positions > num_computed_tokens - window."""
+        (at position num_computed_tokens) sees positions > num_computed_tokens - window.
+        Proposals may be rejected: only the computed tokens before them count."""
+        computed = seq.num_computed_tokens - seq.num_drafts
         for window, table in zip(self.table_windows, seq.block_tables, strict=False):
             if window is None:
                 continue
-            first_visible = seq.num_computed_tokens - window + 1
+            first_visible = computed - window + 1
             for i in range(min(first_visible // self.block_size, len(table))):
                 block = table[i]
                 if block == self.outside_window:
@@ -210,7 +212,7 @@ class BlockManager(KVAllocator):
             return
         done, parent = self._hashed.get(seq.seq_id, (0, _root(seq)))
         # Only blocks whose token ids are all known (none pending on the device) get a key.
-        known = min(seq.num_computed_tokens, seq.num_known_tokens)
+        known = min(seq.num_computed_tokens, seq.num_verified_tokens)  # (never a proposal)
         full = min(known // self.block_size, len(seq.block_table))
         for i in range(done, full):
             key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))

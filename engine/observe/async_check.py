@@ -30,6 +30,10 @@ def choose_async_scheduling(engine) -> bool:
         logger.warning("asynchronous scheduling is off under tensor parallelism: the worker "
                        "ranks need each step's input tokens on the host")
         return False
+    if engine.speculator is not None:
+        logger.warning("asynchronous scheduling is off with speculative decoding: a step's "
+                       "accepted proposals decide what the next one computes")
+        return False
     try:
         check_async_scheduling(engine)
     except Exception as err:  # noqa: BLE001 - any failure means: run in order

@@ -8,7 +8,7 @@ derived on the device from the uploaded integers.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -56,10 +56,19 @@ class StepResult:
         self.rows = rows
 
     def tokens(self) -> list[SampledToken | None]:
+        """Each sequence's sample (its last row's, where it verified proposals)."""
         out: list[SampledToken | None] = [None] * self.num_seqs
         if self.rows is not None:
             for i, token in zip(self.sampled, self.rows.tokens(), strict=True):
                 out[i] = token
+        return out
+
+    def rows_by_seq(self) -> list[list[SampledToken]]:
+        """Each sequence's samples in order: one, or one per proposal plus one."""
+        out: list[list[SampledToken]] = [[] for _ in range(self.num_seqs)]
+        if self.rows is not None:
+            for i, token in zip(self.sampled, self.rows.tokens(), strict=True):
+                out[i].append(token)
         return out
 
 
@@ -148,7 +157,7 @@ class ModelRunner:
         """Queue the batch's forward and sampling on the device; the host may plan the next step
         while it runs. An input still pending is read from the previous launch's samples."""
         plan = self.pack(batch)
-        sampling = [batch.seqs[i] for i in plan.sampled]
+        sampling = sampled_rows(batch, plan.sampled)
         if self.peers is None:
             rows = self.execute(plan, sampling)
         else:
@@ -168,8 +177,9 @@ class ModelRunner:
         """Run a packed step; `sampling` holds the sequences of plan.sampled (None on a
         tensor-parallel worker rank, which computes its share and samples nothing)."""
         padded = self._padded(plan)
-        piecewise = not padded and self.piecewise is not None and self.piecewise.fits(
-            len(plan.ids))
+        piecewise = (not padded and self.piecewise is not None
+                     and self.piecewise.fits(len(plan.ids))
+                     and len(plan.sample_rows) <= self.piecewise.max_sampled)
         views, meta, sampler_plan = self._stage(plan, sampling, describe=not padded)
         if self.lora is not None:  # fixed shapes on the graph paths: rows masked by slot
             self.lora.stage(list(plan.lora_rows), plan.lora_loads,
@@ -236,6 +246,8 @@ class ModelRunner:
         """A step whose tokens, as rows (engine/runner/graphs/whole_step.py), fit a bucket."""
         if self.padded_decode is None or (plan.prefills and not self.padded_decode.prompt_rows):
             return False
+        if len(plan.sample_rows) > self.padded_decode.max_sampled:  # many proposals verified
+            return False
         widest = max(max(d[2] for d in plan.decodes) if plan.decodes else 0,  # contexts
                      max(p[3] for p in plan.prefills) if plan.prefills else 0)
         return self.padded_decode.fits(len(plan.ids), -(-widest // self.page_size))
@@ -291,3 +303,36 @@ class ModelRunner:
         """The step as attention sees it, per attention group (engine/runner/step_metadata.py)."""
         return describe_step(StepViews(views, decodes, prefills, page_spans), self.layout,
                              self.attention, self.page_size, self.spec.sliding_window)
+
+
+class ProposalRow:
+    """A sequence as the sampler sees it at one of its proposals: its first `cut` tokens (the
+    output position, hence the seed's draw, the EOS mask and the penalties, of that row)."""
+
+    def __init__(self, seq: Sequence, cut: int) -> None:
+        self.params, self.constraint = seq.params, seq.constraint
+        self.eos_token_ids, self.sampling_seed = seq.eos_token_ids, seq.sampling_seed
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.token_ids = seq.token_ids[:cut]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+def sampled_rows(batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+    """The sampler's view of each sampled row: the sequence itself, or, for a sequence verifying
+    k proposals, the sequence before its last k, k - 1, ..., 0 of them."""
+    rows: list[Sequence] = []
+    later = 0  # rows of the same sequence after this one
+    for at in range(len(sampled) - 1, -1, -1):
+        seq = batch.seqs[sampled[at]]
+        later = later + 1 if at + 1 < len(sampled) and sampled[at + 1] == sampled[at] else 0
+        rows.append(seq if not seq.num_drafts
+                    else cast(Sequence, ProposalRow(seq, seq.num_tokens - later)))
+    rows.reverse()
+    return rows

@@ -22,7 +22,9 @@ class StepPlan:
     decodes: list[tuple[int, list[list[int]], int]]  # (packed row, block tables, context)
     prefills: list[tuple[int, int, list[list[int]], int]]  # (row, tokens, tables, context)
     sample_rows: list[int]  # packed rows whose logits are sampled
-    sampled: list[int]  # which of the batch's sequences they belong to
+    # which of the batch's sequences they belong to: a sequence with k proposals has k + 1
+    # rows (its last token's and each proposal's), in order
+    sampled: list[int]
     # (packed token, row of the previous step's samples): inputs still on the device
     carried: tuple[tuple[int, int], ...] = ()
     # LoRA (engine/lora/runtime.py): each packed token's adapter slot (-1: none; empty: no
@@ -65,9 +67,10 @@ def pack_step(batch: ScheduledBatch, block_size: int, last_sampled: dict[int, in
             for table, table_slots in zip(tables, slots, strict=True):
                 table_slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             prefills.append((row, n, tables, end))
-        if end == seq.num_tokens:  # caught up: its next token is sampled
-            sample_rows.append(row + n - 1)
-            sampled.append(i)
+        if end == seq.num_tokens:  # caught up: its next token is sampled (after each proposal)
+            k = min(seq.num_drafts, n - 1)
+            sample_rows += range(row + n - 1 - k, row + n)
+            sampled += [i] * (k + 1)
     return StepPlan(len(batch.seqs), ids, positions, slots, decodes, prefills, sample_rows,
                     sampled, tuple(carried))
 

@@ -93,6 +93,7 @@ class Scheduler(ABC):
     def _recompute(self, seq: Sequence) -> None:
         """Compute a running sequence's KV again from its first token (in place: contiguous
         KV keeps its slot)."""
+        seq.withdraw_drafts()
         seq.num_computed_tokens = 0
 
     def postprocess(self, batch: ScheduledBatch,
@@ -129,6 +130,21 @@ class Scheduler(ABC):
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def take_speculated(self, seq: Sequence, tokens: list[int]) -> int:
+        """A verifying step's yield for `seq` (engine/spec/): its proposals settle, then
+        `tokens` are appended in order, each but the last with its KV already computed (it was
+        a proposal), until one ends the sequence. Returns how many it took."""
+        seq.settle_drafts()
+        for taken, token in enumerate(tokens, start=1):
+            if taken > 1:  # the previous token was an accepted proposal: its KV exists
+                seq.num_computed_tokens += 1
+            seq.append_token(token)
+            reason = seq.token_finish_reason()
+            if reason is not None:
+                self.finish(seq, reason)
+                return taken
+        return len(tokens)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End `seq` now (stop string, abort, timeout, error) and free its KV."""

@@ -48,9 +48,9 @@ class PagedBatching(Scheduler):
                 prefills.append(seq)
         # A preemption below may send a later one of these back to waiting: skipped then.
         for seq in decodes:
-            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, picked):
-                picked[seq] = 1
-                budget -= 1
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, picked, budget):
+                picked[seq] = seq.num_uncomputed_tokens  # 1, or 1 + its proposals
+                budget -= picked[seq]
         for seq in prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -90,13 +90,19 @@ class PagedBatching(Scheduler):
 
     # --- policy pieces ---
 
-    def _reserve(self, seq: Sequence, picked: dict[Sequence, int]) -> bool:
-        """Give a running decode its next slot, preempting younger sequences if blocks run out."""
-        if self.allocator.blocks_needed(seq, 1) == 0:  # 15 steps in 16 at block size 16
+    def _reserve(self, seq: Sequence, picked: dict[Sequence, int], budget: int) -> bool:
+        """Give a running decode its next slot (and its proposals' lookahead slots), preempting
+        younger sequences if blocks run out; proposals that do not fit the budget or the free
+        blocks are dropped first."""
+        n = seq.num_uncomputed_tokens
+        if seq.num_drafts and (n > budget or self._free_slots(seq) < n):
+            seq.withdraw_drafts()  # speculation never preempts anyone
+            n = 1
+        if self.allocator.blocks_needed(seq, n) == 0:  # 15 steps in 16 at block size 16
             return True
-        if not self._make_room(seq, 1, picked):
+        if not self._make_room(seq, n, picked):
             return False
-        self.allocator.allocate(seq, 1)
+        self.allocator.allocate(seq, n)
         return True
 
     def _prefill_chunk(self, seq: Sequence, budget: int, picked: dict[Sequence, int]) -> int:
@@ -153,6 +159,7 @@ class PagedBatching(Scheduler):
         self._preempt(seq)  # its blocks may be shared or freed behind a window: start afresh
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.withdraw_drafts()
         self.running.remove(seq)
         self.allocator.cache_full_blocks(seq)
         self.allocator.free(seq)
@@ -170,5 +177,5 @@ class PagedBatching(Scheduler):
 
 
 def _is_decode(seq: Sequence) -> bool:
-    return (seq.num_output_tokens > 0 and seq.num_uncomputed_tokens == 1
+    return (seq.num_output_tokens > 0 and seq.num_uncomputed_tokens == 1 + seq.num_drafts
             and not seq.awaits_last_token)

@@ -71,8 +71,6 @@ REFUSED_KEYS: dict[str, Refused] = {
     "option.long_lora_scaling_factors": Refused(_LORA),
     "option.adapters": Refused("put adapters in <model dir>/adapters/<name>/ or list them in "
                                "option.lora_modules (name=/folder,...)"),
-    "option.speculative_draft_model": Refused("speculative decoding is not supported; remove "
-                                              "the key"),
     "option.pipeline_parallel_degree": Refused(f"{_ONE_DEVICE}; remove the key",
                                                frozenset({"1"})),
 }

@@ -5,6 +5,7 @@ every failure is one line naming the key, the value, its source and what is allo
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +140,62 @@ def lora_modules(r: Reader, key: Key) -> tuple[tuple[str, str], ...]:
     if len({name for name, _ in modules}) != len(modules):
         r.fail(key.name, "each adapter name once")
     return tuple(modules)
+
+
+# Speculative decoding: n-gram prompt lookup (engine/spec/); draft models are not served yet.
+_NGRAM = ("ngram", "[ngram]")
+_NOT_YET = ("draft models, EAGLE, Medusa and MTP heads are not served yet; use n-gram prompt "
+            "lookup (method ngram)")
+
+
+def speculative_draft_model(r: Reader, key: Key) -> str | None:
+    """LMI's key: `ngram` (vLLM's legacy `[ngram]`) turns n-gram prompt lookup on."""
+    value = r.raw(key.name)
+    if not value:
+        return None
+    if value.lower() not in _NGRAM:
+        r.refuse(key.name, _NOT_YET)
+    return "ngram"
+
+
+_SPEC_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                "disable_by_batch_size", "model"}
+
+
+def speculative_config(r: Reader, key: Key) -> dict[str, Any] | None:
+    """vLLM's JSON (`method`, `num_speculative_tokens`, `prompt_lookup_min`/`max`,
+    `disable_by_batch_size`) → the engine's speculative_* fields (applied over LMI's keys)."""
+    value = r.raw(key.name)
+    if not value:
+        return None
+    try:
+        spec = json.loads(value)
+    except ValueError:
+        r.fail(key.name, "a JSON object such as {\"method\": \"ngram\", "
+               "\"num_speculative_tokens\": 4}")
+    if not isinstance(spec, dict):
+        r.fail(key.name, "a JSON object")
+    unknown = sorted(set(spec) - _SPEC_FIELDS)
+    if unknown:
+        r.refuse(key.name, f"unknown field {unknown[0]!r} (served: "
+                 f"{', '.join(sorted(_SPEC_FIELDS))})")
+    method = str(spec.get("method") or ("ngram" if spec.get("model") in _NGRAM else ""))
+    if method != "ngram" or spec.get("model") not in (None, *_NGRAM):
+        r.refuse(key.name, _NOT_YET)
+    out: dict[str, Any] = {"speculative_method": "ngram"}
+    low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    # vLLM: both unset → 5 and 5; one unset takes the other's value
+    fields = {"num_speculative_tokens": spec.get("num_speculative_tokens"),
+              "prompt_lookup_min": low if low is not None else high,
+              "prompt_lookup_max": high if high is not None else low,
+              "speculative_disable_batch_size": spec.get("disable_by_batch_size")}
+    for name, number in fields.items():
+        if number is None:
+            continue
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            r.fail(key.name, f"{name} as a positive integer")
+        out[name] = number
+    return out
 
 
 # Rules that span keys: run once every key is read, with every resolved value by key name.

@@ -116,6 +116,13 @@ KEYS: tuple[Key, ...] = (
         check=custom.lora_limits),
     Key("option.lora_modules", ("engine.lora_modules",), (), custom.lora_modules,
         env=("LORA_ADAPTERS",)),
+    # speculative decoding (engine/spec/): LMI's keys, or vLLM's JSON over them
+    Key("option.speculative_draft_model", ("engine.speculative_method",), None,
+        custom.speculative_draft_model),
+    Key("option.speculative_length", ("engine.num_speculative_tokens",), 5, integer()),
+    Key("option.speculative_disable_batch_size", ("engine.speculative_disable_batch_size",),
+        None, integer()),
+    Key("option.speculative_config", (), None, custom.speculative_config),
     # paged batching and the KV pool
     Key("option.block_size", ("engine.block_size",), 16, integer(), logged=PAGED),
     Key("option.enable_chunked_prefill", ("engine.enable_chunked_prefill",), True, flag,

@@ -97,6 +97,14 @@ class Metrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.preemptions = Counter("batchyard_preemptions", "Sequences preempted (recompute)",
                                    registry=r)
+        # speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted /
+        # draft tokens; mean acceptance length = 1 + accepted / drafts
+        self.spec_drafts = Counter("batchyard_spec_decode_num_drafts",
+                                   "Proposals verified (one per sequence and step)", registry=r)
+        self.spec_draft_tokens = Counter("batchyard_spec_decode_num_draft_tokens",
+                                         "Tokens proposed", registry=r)
+        self.spec_accepted_tokens = Counter("batchyard_spec_decode_num_accepted_tokens",
+                                            "Proposed tokens accepted", registry=r)
         self.queue_depth = _gauge("batchyard_queue_depth", "Requests waiting", r)
         self.running = _gauge("batchyard_running_sequences", "Sequences running", r)
         self.kv_used = _gauge("batchyard_kv_blocks_used", "KV blocks in use", r)
@@ -140,6 +148,10 @@ class Metrics:
             self.graph_steps.inc()
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
+        if stats.spec_drafts:
+            self.spec_drafts.inc(stats.spec_drafts)
+            self.spec_draft_tokens.inc(stats.spec_draft_tokens)
+            self.spec_accepted_tokens.inc(stats.spec_accepted_tokens)
 
     def on_request(self, status: int, prompt_tokens: int, token_times: list[float],
                    start: float, end: float, adapter: str | None = None) -> None:
