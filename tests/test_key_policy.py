@@ -118,3 +118,28 @@ def test_the_lmi_v5_batching_notebook_properties_start() -> None:
                "option.model_loading_timeout = 900\n")
     cfg = resolve(rolling)
     assert cfg.engine.batching == "paged" and cfg.lmi.builtin_engine_requested
+
+
+def test_speculative_keys_resolve_to_the_engine_fields() -> None:
+    config = resolve("option.speculative_draft_model=ngram\noption.speculative_length=3").engine
+    assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 3)
+    config = resolve('option.speculative_config={"method": "ngram", "num_speculative_tokens": 4, '
+                     '"prompt_lookup_max": 3, "disable_by_batch_size": 8}').engine
+    assert (config.speculative_method, config.num_speculative_tokens, config.prompt_lookup_min,
+            config.prompt_lookup_max, config.speculative_disable_batch_size) == (
+        "ngram", 4, 3, 3, 8)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("option.speculative_draft_model=/opt/ml/draft", "draft models"),
+    ('option.speculative_config={"method": "eagle3", "model": "x"}', "draft models"),
+    ('option.speculative_config={"method": "ngram", "lookahead": 2}', "unknown field 'lookahead'"),
+    ('option.speculative_config={"method": "ngram", "num_speculative_tokens": 0}',
+     "num_speculative_tokens as a positive integer"),
+    ("option.speculative_config=ngram", "a JSON object"),
+    ('option.speculative_config={"method": "ngram", "num_speculative_tokens": 40}',
+     "num_speculative_tokens"),
+])
+def test_speculative_keys_that_cannot_work_are_refused(line: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve(line)
