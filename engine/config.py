@@ -26,7 +26,7 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # pre-quantized checkpoint's format (read from its config.json either way, engine/quant/).
 QUANTIZATIONS = ("int8", "fp8", "awq", "gptq", "compressed-tensors")
 # speculative_method: None (off) or a proposer engine/spec/ runs
-SPECULATIVE_METHODS = (None, "ngram")
+SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 # A busy step holds this many sequences or more (max_num_seqs, if fewer); the gauges time busy
 # steps alone: a step of one or two costs several times more per sequence (its fixed cost
 # shared by few) and leaves the host idle anyway. The HTTP threads' CPU priority is decided on
@@ -105,6 +105,7 @@ class EngineConfig:
     # its last prompt_lookup_max..prompt_lookup_min tokens; none while more than
     # speculative_disable_batch_size sequences run.
     speculative_method: str | None = None
+    speculative_model: str | None = None  # draft_model: the draft's folder (same tokenizer)
     num_speculative_tokens: int = 5
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
@@ -142,7 +143,10 @@ class EngineConfig:
                self.gpu_memory_utilization, "a fraction in (0, 1]")
         _check(self.max_loras >= 1, "max_loras", self.max_loras, "an integer >= 1")
         _check(self.speculative_method in SPECULATIVE_METHODS, "speculative_method",
-               self.speculative_method, "None or 'ngram'")
+               self.speculative_method, "None, 'ngram' or 'draft_model'")
+        _check((self.speculative_method == "draft_model") == (self.speculative_model is not None),
+               "speculative_model", self.speculative_model,
+               "a draft model's folder exactly when speculative_method is 'draft_model'")
         _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
                self.num_speculative_tokens, "an integer in 1..16")
         _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",

@@ -129,6 +129,15 @@ class LLMEngine:
                     "sequences of max_model_len at once", plan.num_blocks, plan.block_size,
                     plan.pool_bytes / 2**20, plan.sized_by, plan.max_concurrency)
         engine = cls(config, tokenizer, scheduler, runner, max_model_len, spec.vocab_size, eos)
+        if engine.speculator is not None and config.speculative_method == "draft_model":
+            from engine.spec.draft import build_draft
+
+            try:
+                engine.speculator.draft = build_draft(
+                    config, plan.num_blocks * plan.block_size, max_model_len, spec.vocab_size)
+            except Exception:
+                close_runner(runner)
+                raise
         engine.guided.build_in_background()  # ready before the first guided request
         engine.async_scheduling = choose_async_scheduling(engine)
         return engine

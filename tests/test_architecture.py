@@ -140,7 +140,7 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "scheduler": {"base", "kv", "models"},
     "runner": {"base", "kernels", "kv", "observe", "parallel", "attention", "models", "lora",
                "scheduler"},
-    "spec": {"base"},
+    "spec": {"base", "kv", "parallel", "runner", "scheduler"},
     "llm_engine": {"base", "kv", "text", "observe", "parallel", "models", "lora", "scheduler",
                    "runner", "spec"},
     "core": {"base", "text", "observe", "parallel", "lora", "runner", "llm_engine"},

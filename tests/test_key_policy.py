@@ -128,11 +128,19 @@ def test_speculative_keys_resolve_to_the_engine_fields() -> None:
     assert (config.speculative_method, config.num_speculative_tokens, config.prompt_lookup_min,
             config.prompt_lookup_max, config.speculative_disable_batch_size) == (
         "ngram", 4, 3, 3, 8)
+    config = resolve("option.speculative_draft_model=/opt/ml/draft").engine
+    assert (config.speculative_method, config.speculative_model) == ("draft_model",
+                                                                      "/opt/ml/draft")
+    config = resolve('option.speculative_config={"method": "draft_model", "model": "draft", '
+                     '"num_speculative_tokens": 3}').engine
+    assert config.speculative_model == "/models/m/draft" and config.num_speculative_tokens == 3
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ("option.speculative_draft_model=/opt/ml/draft", "draft models"),
-    ('option.speculative_config={"method": "eagle3", "model": "x"}', "draft models"),
+    ("option.speculative_draft_model=../other/draft", "without '..'"),
+    ("option.speculative_draft_model=s3://bucket/draft", "not downloaded"),
+    ('option.speculative_config={"method": "eagle3", "model": "x"}', "EAGLE"),
+    ('option.speculative_config={"method": "draft_model"}', "EAGLE"),
     ('option.speculative_config={"method": "ngram", "lookahead": 2}', "unknown field 'lookahead'"),
     ('option.speculative_config={"method": "ngram", "num_speculative_tokens": 0}',
      "num_speculative_tokens as a positive integer"),

@@ -263,3 +263,51 @@ def test_verification_keeps_the_target_distribution() -> None:
 
 class Sequence_:
     """A hashable stand-in for a sequence (weak references need an object)."""
+
+
+# -- a draft model as the proposer ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_draft(model, tmp_path_factory):
+    """One layer, other weights, the same tokenizer: proposes what the target rarely says."""
+    return build_tiny_model(tmp_path_factory.mktemp("draft"), seed=1, num_hidden_layers=1)
+
+
+DRAFT_CASES = {
+    "paged-chunks": ("paged", {"max_num_batched_tokens": 8}),
+    "paged-preemption": ("paged", {"block_size": 4, "num_kv_blocks": 18}),
+}
+
+
+@pytest.mark.parametrize("case", list(DRAFT_CASES))
+def test_a_draft_model_leaves_greedy_output_unchanged(model, small_draft, case) -> None:
+    """The target as its own draft accepts every proposal; a small random one almost none."""
+    batching, overrides = DRAFT_CASES[case]
+    prompts = prompts_for(4)
+    want, _ = run(model, batching, prompts, greedy_params(), spec=False, **overrides)
+    for draft, accepted_share in ((model, 1.0), (small_draft, None)):
+        got, counters = run(model, batching, prompts, greedy_params(), spec=True, **{
+            **overrides, "speculative_method": "draft_model", "speculative_model": str(draft)})
+        assert got == want
+        assert counters.drafts > 0
+        if accepted_share is not None:
+            assert counters.acceptance_rate == accepted_share
+
+
+def test_a_draft_model_keeps_sampled_output_and_works_under_tensor_parallelism(model) -> None:
+    prompts = prompts_for(5)
+    draft = {"speculative_method": "draft_model", "speculative_model": str(model)}
+    want, _ = run(model, "paged", prompts, sampled_params, spec=False)
+    got, counters = run(model, "paged", prompts, sampled_params, spec=True, **draft)
+    assert got == want and counters.accepted_tokens > 0
+    want, _ = run(model, "paged", prompts, greedy_params(), spec=False)
+    got, counters = run(model, "paged", prompts, greedy_params(), spec=True,
+                        tensor_parallel_size=2, **draft)
+    assert got == want and counters.acceptance_rate == 1.0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(model, tmp_path) -> None:
+    other = build_tiny_model(tmp_path / "other", vocab_size=400, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="vocabulary has 400 tokens"):
+        make_engine(model, "paged", speculative_method="draft_model",
+                    speculative_model=str(other))

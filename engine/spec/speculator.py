@@ -14,6 +14,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.outputs import SampledToken
 from engine.sequence import Sequence, SequenceStatus
@@ -26,6 +27,13 @@ LOG_EVERY_SECONDS = 10.0  # the metrics line, at most this often while speculati
 # length shrinks in proportion (a verified proposal is nearly free only while decode is
 # memory-bound)
 FULL_LENGTH_BATCH = 4
+
+
+class DraftModel(Protocol):
+    """A proposer with a model (engine/spec/draft.py): up to k tokens per wanted sequence."""
+
+    def propose(self, wanted: list[tuple[Sequence, int]], running: list[Sequence]
+                ) -> list[list[int]]: ...
 
 
 @dataclass
@@ -62,10 +70,11 @@ class Speculator:
     when more than `disable_batch_size` sequences run."""
 
     def __init__(self, length: int, min_n: int, max_n: int, max_model_len: int,
-                 disable_batch_size: int | None = None) -> None:
+                 disable_batch_size: int | None = None, draft: DraftModel | None = None) -> None:
         self.length, self.min_n, self.max_n = length, min_n, max_n
         self.max_model_len = max_model_len
         self.disable_batch_size = disable_batch_size
+        self.draft = draft  # None: n-gram prompt lookup
         self.counters = SpecCounters()
         self._logged_at = time.monotonic()
         self._logged = SpecCounters()
@@ -78,26 +87,31 @@ class Speculator:
     def propose(self, running: list[Sequence]) -> int:
         """Give each running sequence about to decode its proposals; returns how many got some."""
         batch = len(running)
-        if not batch or (self.disable_batch_size is not None
-                         and batch > self.disable_batch_size):
-            return 0
-        batch_length = max(1, self.length * FULL_LENGTH_BATCH // max(batch, FULL_LENGTH_BATCH))
+        wanted: list[tuple[Sequence, int]] = []
+        if batch and (self.disable_batch_size is None or batch <= self.disable_batch_size):
+            batch_length = max(1, self.length * FULL_LENGTH_BATCH
+                               // max(batch, FULL_LENGTH_BATCH))
+            for seq in running:
+                room = min(seq.max_total_tokens, self.max_model_len) - seq.num_tokens - 1
+                k = min(self._length.get(seq, self.length), batch_length, room)
+                if k > 0 and _may_propose(seq):
+                    wanted.append((seq, k))
+        if self.draft is not None:
+            proposals = self.draft.propose(wanted, running)
+        else:
+            proposals = [self._lookup(seq, k) for seq, k in wanted]
         proposing = 0
-        for seq in running:
-            if not _may_propose(seq):
-                continue
-            room = min(seq.max_total_tokens, self.max_model_len) - seq.num_tokens - 1
-            k = min(self._length.get(seq, self.length), batch_length, room)
-            if k <= 0:
-                continue
-            index = self._index.get(seq)
-            if index is None:
-                index = self._index[seq] = NgramIndex()
-            drafts = index.propose(seq.token_ids, self.min_n, self.max_n, k)
+        for (seq, _), drafts in zip(wanted, proposals, strict=True):
             if drafts:
                 seq.propose(drafts)
                 proposing += 1
         return proposing
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        index = self._index.get(seq)
+        if index is None:
+            index = self._index[seq] = NgramIndex()
+        return index.propose(seq.token_ids, self.min_n, self.max_n, k)
 
     def verify(self, seq: Sequence, drafts: list[int],
                samples: list[SampledToken]) -> list[SampledToken]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import MAX_LORA_RANKS, QUANTIZATIONS
@@ -142,20 +143,30 @@ def lora_modules(r: Reader, key: Key) -> tuple[tuple[str, str], ...]:
     return tuple(modules)
 
 
-# Speculative decoding: n-gram prompt lookup (engine/spec/); draft models are not served yet.
+# Speculative decoding (engine/spec/): n-gram prompt lookup, or a draft model's folder.
 _NGRAM = ("ngram", "[ngram]")
-_NOT_YET = ("draft models, EAGLE, Medusa and MTP heads are not served yet; use n-gram prompt "
-            "lookup (method ngram)")
+_NOT_YET = ("EAGLE, Medusa and MTP heads are not served yet; use method ngram or draft_model "
+            "(a smaller model's folder with the same tokenizer)")
 
 
-def speculative_draft_model(r: Reader, key: Key) -> str | None:
-    """LMI's key: `ngram` (vLLM's legacy `[ngram]`) turns n-gram prompt lookup on."""
+def speculative_draft_model(r: Reader, key: Key) -> dict[str, Any] | None:
+    """LMI's key: `ngram` (vLLM's legacy `[ngram]`), or a draft model's local folder (absolute,
+    or inside the model folder)."""
     value = r.raw(key.name)
     if not value:
         return None
-    if value.lower() not in _NGRAM:
-        r.refuse(key.name, _NOT_YET)
-    return "ngram"
+    if value.lower() in _NGRAM:
+        return {"speculative_method": "ngram"}
+    return {"speculative_method": "draft_model", "speculative_model": _draft_folder(r, key.name,
+                                                                                   value)}
+
+
+def _draft_folder(r: Reader, name: str, value: str) -> str:
+    path = Path(value)
+    if ".." in path.parts or "://" in value:
+        r.refuse(name, "a local folder (absolute, or inside the model folder) without '..'; "
+                 "draft models are not downloaded")
+    return str(path if path.is_absolute() else r.model_dir / path)
 
 
 _SPEC_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
@@ -179,10 +190,17 @@ def speculative_config(r: Reader, key: Key) -> dict[str, Any] | None:
     if unknown:
         r.refuse(key.name, f"unknown field {unknown[0]!r} (served: "
                  f"{', '.join(sorted(_SPEC_FIELDS))})")
-    method = str(spec.get("method") or ("ngram" if spec.get("model") in _NGRAM else ""))
-    if method != "ngram" or spec.get("model") not in (None, *_NGRAM):
+    model = spec.get("model")
+    method = str(spec.get("method") or ("ngram" if model in _NGRAM else "draft_model"
+                                        if model else ""))
+    method = "draft_model" if method in ("draft", "draft_model") else method
+    if method == "ngram" and model in (None, *_NGRAM):
+        out: dict[str, Any] = {"speculative_method": "ngram"}
+    elif method == "draft_model" and isinstance(model, str) and model not in _NGRAM:
+        out = {"speculative_method": "draft_model",
+               "speculative_model": _draft_folder(r, key.name, model)}
+    else:
         r.refuse(key.name, _NOT_YET)
-    out: dict[str, Any] = {"speculative_method": "ngram"}
     low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
     # vLLM: both unset → 5 and 5; one unset takes the other's value
     fields = {"num_speculative_tokens": spec.get("num_speculative_tokens"),

@@ -117,8 +117,7 @@ KEYS: tuple[Key, ...] = (
     Key("option.lora_modules", ("engine.lora_modules",), (), custom.lora_modules,
         env=("LORA_ADAPTERS",)),
     # speculative decoding (engine/spec/): LMI's keys, or vLLM's JSON over them
-    Key("option.speculative_draft_model", ("engine.speculative_method",), None,
-        custom.speculative_draft_model),
+    Key("option.speculative_draft_model", (), None, custom.speculative_draft_model),
     Key("option.speculative_length", ("engine.num_speculative_tokens",), 5, integer()),
     Key("option.speculative_disable_batch_size", ("engine.speculative_disable_batch_size",),
         None, integer()),

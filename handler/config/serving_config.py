@@ -94,7 +94,8 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
     # max_rolling_batch_size bounds the rolling strategies; dynamic batches batch_size requests
     engine["max_num_seqs"] = {"none": 1, "dynamic": values["batch_size"]}.get(
         strategy, engine["max_num_seqs"])
-    engine.update(values["option.speculative_config"] or {})  # vLLM's JSON over LMI's keys
+    engine.update(values["option.speculative_draft_model"] or {})  # LMI's key, then vLLM's
+    engine.update(values["option.speculative_config"] or {})  # JSON over it
     if engine["enable_lora"]:  # LMI's layout: <model dir>/adapters/<name>/, each by its name
         engine["lora_modules"] = _with_folder_adapters(engine["lora_modules"], model_dir)
     try:
