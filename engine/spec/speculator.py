@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 LOG_EVERY_SECONDS = 10.0  # the metrics line, at most this often while speculating
 # the batch size up to which every sequence may propose the full length; above it the
-# length shrinks in proportion (a verified proposal is nearly free only while decode is
-# memory-bound)
+# length shrinks in proportion, to none past length x FULL_LENGTH_BATCH sequences (a verified
+# proposal is nearly free only while decode is memory-bound: on 2 CPU cores, 32 sequences
+# proposing one token each served 0.89x of not proposing, at 60 % acceptance)
 FULL_LENGTH_BATCH = 4
 
 
@@ -88,9 +89,9 @@ class Speculator:
         """Give each running sequence about to decode its proposals; returns how many got some."""
         batch = len(running)
         wanted: list[tuple[Sequence, int]] = []
-        if batch and (self.disable_batch_size is None or batch <= self.disable_batch_size):
-            batch_length = max(1, self.length * FULL_LENGTH_BATCH
-                               // max(batch, FULL_LENGTH_BATCH))
+        batch_length = self.length * FULL_LENGTH_BATCH // max(batch, FULL_LENGTH_BATCH)
+        if batch_length and (self.disable_batch_size is None
+                             or batch <= self.disable_batch_size):
             for seq in running:
                 room = min(seq.max_total_tokens, self.max_model_len) - seq.num_tokens - 1
                 k = min(self._length.get(seq, self.length), batch_length, room)
