@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmark import commands as cmd
-from benchmark import constrained, kv_groups, load_memory, lora, model_impl, soak
+from benchmark import constrained, kv_groups, load_memory, lora, model_impl, quant, soak, spec
 from benchmark.commands import DEFAULT_PEERS, PEERS, RESULTS, ROOT
 from benchmark.options import add_load_options
 from benchmark.peers import DEFAULT_VLLM_VENV
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     model_impl.add_parser(sub)
     kv_groups.add_parser(sub)
     lora.add_parser(sub)
+    quant.add_parser(sub)
+    spec.add_parser(sub)
     soak.add_parser(sub)
 
     args = parser.parse_args(argv)
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 "random-model": cmd.random_model, "load-memory": load_memory.run,
                 "grammar-masks": constrained.grammar_masks, "constrained": constrained.constrained,
                 "model-impl": model_impl.run, "kv-groups": kv_groups.run,
-                "lora": lora.run, "soak": soak.run}
+                "lora": lora.run, "quant": quant.run, "spec": spec.run, "soak": soak.run}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message
