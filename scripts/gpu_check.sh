@@ -49,6 +49,10 @@
 # tokens); each side's req/s, errors and KV pool in summary.txt, with vLLM's published figure
 # (not measured here), and peers.json. Bounded at 280 s (with the model: alone in a call, or
 # after CHECKS=tests).
+# CHECKS=quant: issue #53's `bench quant` of the first preset (bf16 / int8 / int4 / fp8 weight
+# bytes, decode tok/s at batch 1 and 32, req/s; which layer types ran), bounded at 240 s.
+# CHECKS=spec: issue #54's `bench spec` of the first preset (random weights: acceptance is low,
+# so it measures what verification costs), bounded at 240 s. Both: alone in a call (~4-5 min).
 # CHECKS=kernels: issue #51's attention kernels against the hardware floor: `bench profile` of
 # the first preset with --attention-backend triton and then flex, KERNEL_PROMPTS="200 1000"
 # tokens, decode at KERNEL_BATCHES=8,32 (and a prompt admitted beside them), graphs on; one
@@ -294,6 +298,35 @@ if ours and theirs:
     print(f"peers batchyard (offline) / hf-cb: {ours / theirs:.2f}x req/s (#51's target: 1.5x, served)")
 print(f"peers {VLLM_PUBLISHED['name']}: published, not measured here: "
       f"{VLLM_PUBLISHED['figure']}; {VLLM_PUBLISHED['source']}")
+EOF
+fi
+if want quant; then  # #53: bf16 / int8 / int4 (W4A16, Triton GEMM) / fp8 (_scaled_mm) on one card
+    random_model "$first"
+    rm -rf /tmp/gpu-check-quant
+    step quant 240 "$PY" -m handler.cli bench quant --model-dir "$model" --device "$DEVICE" \
+        --dtype "$dtype" --out /tmp/gpu-check-quant
+    cp /tmp/gpu-check-quant/quant.json "$OUT/quant.json" 2> /dev/null
+    "$PY" - "$OUT/quant.json" >> "$OUT/summary.txt" 2>> "$OUT/log.txt" <<'EOF'
+import json, sys
+for r in json.load(open(sys.argv[1]))["runs"]:
+    print(f"quant {r['variant']}: " + (f"failed: {r['error'][:200]}" if "error" in r else
+          f"{r['linear_bytes'] / 2**20:.0f} MiB linear ({r['ratio_to_bf16']:.2f}x bf16), decode "
+          f"b1 {r['decode_b1_tokens_per_s']} b32 {r['decode_b32_tokens_per_s']} tok/s, "
+          f"{r['requests_per_s']} req/s, layers {r.get('layers')}"))
+EOF
+fi
+if want spec; then  # #54: n-gram speculation on the card (a random model proposes little:
+    random_model "$first"  # this measures what verifying costs more than what it gains)
+    rm -rf /tmp/gpu-check-spec
+    step spec 240 "$PY" -m handler.cli bench spec --model-dir "$model" --device "$DEVICE" \
+        --dtype "$dtype" --concurrency 1,4,32 --out /tmp/gpu-check-spec
+    cp /tmp/gpu-check-spec/spec.json "$OUT/spec.json" 2> /dev/null
+    "$PY" - "$OUT/spec.json" >> "$OUT/summary.txt" 2>> "$OUT/log.txt" <<'EOF'
+import json, sys
+for r in json.load(open(sys.argv[1]))["runs"]:
+    print(f"spec {r['workload']} c{r['concurrency']} {'ngram' if r['speculation'] else 'off'}: "
+          f"{r['output_tokens_per_s']} tok/s, {r['ms_per_token_mean']} ms/token, "
+          f"acceptance {r.get('acceptance_rate')}")
 EOF
 fi
 if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV budget for all
