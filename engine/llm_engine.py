@@ -96,6 +96,7 @@ class LLMEngine:
             self.speculator = Speculator(
                 config.num_speculative_tokens, config.prompt_lookup_min,
                 config.prompt_lookup_max, max_model_len, config.speculative_disable_batch_size)
+            self.speculator.long_rope_after = scheduler.long_rope_after
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -406,6 +407,7 @@ class LLMEngine:
             drafts = seq.token_ids[-seq.num_drafts - 1:-1]
             yielded = self.speculator.verify(seq, drafts, rows)
             count = self.scheduler.take_speculated(seq, [t.token_id for t in yielded])
+            self.speculator.count(len(drafts), count)
             taken[seq.seq_id] = (before, yielded[:count])
             samples.append(None)  # taken above
         self.scheduler.resolve(step.batch, samples)

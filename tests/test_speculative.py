@@ -311,3 +311,65 @@ def test_a_draft_with_another_vocabulary_is_refused(model, tmp_path) -> None:
     with pytest.raises(ValueError, match="vocabulary has 400 tokens"):
         make_engine(model, "paged", speculative_method="draft_model",
                     speculative_model=str(other))
+
+
+# -- scheduling: proposals ride on what is left ------------------------------------------------
+
+def decoding(sched, prompts: list[int]) -> list:
+    """Running sequences of these prompt lengths, each decoding (one output token so far)."""
+    from tests.test_paged_scheduler import make_seq, run_step
+
+    seqs = [make_seq(i, n, max_new=40) for i, n in enumerate(prompts)]
+    for seq in seqs:
+        sched.add(seq)
+    while any(seq.num_output_tokens == 0 for seq in seqs):
+        run_step(sched)
+    return seqs
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_proposals_never_starve_a_waiting_prompt(chunked) -> None:
+    from tests.test_paged_scheduler import make_paged, make_seq
+
+    sched = make_paged(num_blocks=64, budget=8 if chunked else 16, chunked=chunked)
+    a, b = decoding(sched, [3, 3])
+    a.propose([1, 2, 3])
+    b.propose([1, 2, 3])
+    waiting = make_seq(2, 20)
+    sched.add(waiting)
+    batch = sched.schedule()
+    scheduled = dict(zip(batch.seqs, batch.num_scheduled_tokens, strict=True))
+    assert waiting in scheduled  # the prompt comes before the proposals
+    assert scheduled[a] >= 1 and sum(scheduled.values()) <= max(8 if chunked else 16, 20 + 2)
+    for seq in (a, b):
+        assert scheduled[seq] == seq.num_uncomputed_tokens  # kept or withdrawn, never half
+    sched.check_integrity()
+
+
+def test_proposals_never_preempt_another_decode() -> None:
+    """The one free block goes to the decode that needs it, not to another's proposals."""
+    from tests.test_paged_scheduler import make_paged
+
+    sched = make_paged(num_blocks=5, block_size=4, budget=32)
+    # a: 3 tokens (its next slot is in its own block); b: 5 (its next needs a new block)
+    a, b, c = decoding(sched, [2, 4, 7])  # c holds two blocks: one block left free
+    assert sched.allocator.num_free_blocks == 1 and a.num_tokens == 3 and b.num_tokens == 5
+    a.propose([5, 6, 7])
+    before = sched.num_preemptions
+    batch = sched.schedule()
+    assert b in batch.seqs and sched.num_preemptions == before
+    assert a.num_drafts == 0  # its proposals found no room: dropped
+    sched.check_integrity()
+
+
+def test_proposals_never_cross_longrope_before_the_sequence_does(tmp_path) -> None:
+    """Phi-4-mini's shape: past 34 tokens the KV is recomputed once in long mode; proposals
+    stop at the boundary instead of forcing that recompute every step."""
+    path = build_tiny_model(tmp_path / "phi", arch="phi3_longrope")
+    prompts = [[(7 * i) % 250 + 3 for i in range(30)]]
+    want, _ = run(path, "paged", prompts, greedy_params(12), spec=False)
+    plain_preemptions = run.preemptions  # type: ignore[attr-defined]
+    Oracle.answers = {tuple(prompts[0]): want[0]}
+    got, counters = run(path, "paged", prompts, greedy_params(12), spec=True, oracle=True)
+    assert got == want and counters.accepted_tokens > 0
+    assert run.preemptions == plain_preemptions  # type: ignore[attr-defined]

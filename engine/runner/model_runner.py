@@ -240,7 +240,7 @@ class ModelRunner:
         """(device views, attention metadata, sampler plan) of `batch`, uploaded: what run()
         computes from (start-up checks and tests call it)."""
         plan = self.pack(batch)
-        return self._stage(plan, [batch.seqs[i] for i in plan.sampled], describe)
+        return self._stage(plan, sampled_rows(batch, plan.sampled), describe)
 
     def _padded(self, plan: StepPlan) -> bool:
         """A step whose tokens, as rows (engine/runner/graphs/whole_step.py), fit a bucket."""

@@ -30,9 +30,11 @@ class ScheduledBatch:
         for seq, n in zip(self.seqs, self.num_scheduled_tokens, strict=True):
             left = len(seq.token_ids) - seq.num_computed_tokens
             assert 0 < n <= left, f"{seq}: {n} tokens scheduled, {left} uncomputed"
-            # one token past the prompt that catches the sequence up: a decode
-            if n == 1 == left and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                decodes += 1
+            # one token past the prompt that catches the sequence up (with the proposals after
+            # it, speculating): a decode
+            if n == 1 + seq.num_drafts == left and (
+                    seq.num_computed_tokens >= seq.num_prompt_tokens):
+                decodes += n
         object.__setattr__(self, "num_decode_tokens", decodes)
 
     @property

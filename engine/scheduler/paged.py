@@ -48,9 +48,9 @@ class PagedBatching(Scheduler):
                 prefills.append(seq)
         # A preemption below may send a later one of these back to waiting: skipped then.
         for seq in decodes:
-            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, picked, budget):
-                picked[seq] = seq.num_uncomputed_tokens  # 1, or 1 + its proposals
-                budget -= picked[seq]
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, picked):
+                picked[seq] = 1  # its proposals, if any, come last: from what is left
+                budget -= 1
         for seq in prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -60,7 +60,8 @@ class PagedBatching(Scheduler):
                 picked[seq] = n
                 budget -= n
         if self.num_preemptions == preemptions_before:  # admitting now would only thrash
-            self._admit_waiting(budget, picked)
+            budget = self._admit_waiting(budget, picked)
+        self._extend_with_proposals(budget, picked)
         if not picked:
             return None
         return ScheduledBatch(tuple(picked), tuple(picked.values()))
@@ -90,20 +91,29 @@ class PagedBatching(Scheduler):
 
     # --- policy pieces ---
 
-    def _reserve(self, seq: Sequence, picked: dict[Sequence, int], budget: int) -> bool:
-        """Give a running decode its next slot (and its proposals' lookahead slots), preempting
-        younger sequences if blocks run out; proposals that do not fit the budget or the free
-        blocks are dropped first."""
-        n = seq.num_uncomputed_tokens
-        if seq.num_drafts and (n > budget or self._free_slots(seq) < n):
-            seq.withdraw_drafts()  # speculation never preempts anyone
-            n = 1
-        if self.allocator.blocks_needed(seq, n) == 0:  # 15 steps in 16 at block size 16
+    def _reserve(self, seq: Sequence, picked: dict[Sequence, int]) -> bool:
+        """Give a running decode its next slot, preempting younger sequences if blocks run out."""
+        if self.allocator.blocks_needed(seq, 1) == 0:  # 15 steps in 16 at block size 16
             return True
-        if not self._make_room(seq, n, picked):
+        if not self._make_room(seq, 1, picked):
             return False
-        self.allocator.allocate(seq, n)
+        self.allocator.allocate(seq, 1)
         return True
+
+    def _extend_with_proposals(self, budget: int, picked: dict[Sequence, int]) -> None:
+        """Speculative proposals ride on what decodes, prefills and admissions left of the
+        budget and of the free blocks, in decode order; the others are dropped (they never
+        take a slot from a prompt, nor preempt anyone)."""
+        for seq in picked:
+            if not seq.num_drafts:
+                continue
+            n = seq.num_uncomputed_tokens  # 1 + its proposals
+            if n - 1 <= budget and self.allocator.can_allocate(seq, n):
+                self.allocator.allocate(seq, n)
+                picked[seq] = n
+                budget -= n - 1
+            else:
+                seq.withdraw_drafts()
 
     def _prefill_chunk(self, seq: Sequence, budget: int, picked: dict[Sequence, int]) -> int:
         """Prompt tokens of a running `seq` to compute now, preempting younger ones for room."""
@@ -135,7 +145,8 @@ class PagedBatching(Scheduler):
         """Token slots `seq` can still write: the rest of its own blocks plus the free ones."""
         return self.allocator.free_slots(seq)
 
-    def _admit_waiting(self, budget: int, picked: dict[Sequence, int]) -> None:
+    def _admit_waiting(self, budget: int, picked: dict[Sequence, int]) -> int:
+        """Admit waiting sequences under `budget`; returns what is left of it."""
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not self._adapter_fits(seq):
@@ -154,6 +165,7 @@ class PagedBatching(Scheduler):
             self.running.append(seq)
             picked[seq] = n
             budget -= n
+        return budget
 
     def _recompute(self, seq: Sequence) -> None:
         self._preempt(seq)  # its blocks may be shared or freed behind a window: start afresh

@@ -76,6 +76,9 @@ class Speculator:
         self.max_model_len = max_model_len
         self.disable_batch_size = disable_batch_size
         self.draft = draft  # None: n-gram prompt lookup
+        # LongRoPE: a sequence crossing this length recomputes in long mode; proposals must not
+        # cross it before its verified tokens do (the engine sets it from the scheduler)
+        self.long_rope_after: int | None = None
         self.counters = SpecCounters()
         self._logged_at = time.monotonic()
         self._logged = SpecCounters()
@@ -94,6 +97,8 @@ class Speculator:
                              or batch <= self.disable_batch_size):
             for seq in running:
                 room = min(seq.max_total_tokens, self.max_model_len) - seq.num_tokens - 1
+                if self.long_rope_after is not None and not seq.long_rope:
+                    room = min(room, self.long_rope_after - seq.num_tokens)
                 k = min(self._length.get(seq, self.length), batch_length, room)
                 if k > 0 and _may_propose(seq):
                     wanted.append((seq, k))
@@ -117,17 +122,22 @@ class Speculator:
     def verify(self, seq: Sequence, drafts: list[int],
                samples: list[SampledToken]) -> list[SampledToken]:
         """The tokens a verifying step yields for `seq`: its samples while they equal the
-        proposals, then the first that differs (or the one after the last proposal)."""
+        proposals, then the first that differs (or the one after the last proposal). Count
+        them with count() once the sequence has taken them."""
         assert len(samples) == len(drafts) + 1, "one sample per proposal, plus one"
         accepted = 0
         while accepted < len(drafts) and samples[accepted].token_id == drafts[accepted]:
             accepted += 1
-        self.counters.add(len(drafts), accepted)
         current = self._length.get(seq, self.length)
         # all accepted: grow back; none: halve; else what it accepted, and one more
         self._length[seq] = (min(self.length, current + 1) if accepted == len(drafts)
                              else max(1, current // 2) if accepted == 0 else accepted + 1)
         return samples[:accepted + 1]
+
+    def count(self, proposed: int, taken: int) -> None:
+        """A sequence took `taken` tokens of a verification of `proposed` proposals (an end,
+        EOS or length, may stop it inside the accepted ones: those after it count not)."""
+        self.counters.add(proposed, taken - 1)
 
     def log_metrics(self, force: bool = False) -> str | None:
         """Every LOG_EVERY_SECONDS (or now): vLLM's SpecDecoding metrics line over the window
