@@ -120,7 +120,7 @@ def test_the_lmi_v5_batching_notebook_properties_start() -> None:
     assert cfg.engine.batching == "paged" and cfg.lmi.builtin_engine_requested
 
 
-def test_speculative_keys_resolve_to_the_engine_fields() -> None:
+def test_speculative_keys_resolve_to_the_engine_fields(tmp_path) -> None:
     config = resolve("option.speculative_draft_model=ngram\noption.speculative_length=3").engine
     assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 3)
     config = resolve('option.speculative_config={"method": "ngram", "num_speculative_tokens": 4, '
@@ -128,17 +128,20 @@ def test_speculative_keys_resolve_to_the_engine_fields() -> None:
     assert (config.speculative_method, config.num_speculative_tokens, config.prompt_lookup_min,
             config.prompt_lookup_max, config.speculative_disable_batch_size) == (
         "ngram", 4, 3, 3, 8)
-    config = resolve("option.speculative_draft_model=/opt/ml/draft").engine
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    config = resolve(f"option.speculative_draft_model={tmp_path}/draft").engine
     assert (config.speculative_method, config.speculative_model) == ("draft_model",
-                                                                      "/opt/ml/draft")
+                                                                      f"{tmp_path}/draft")
     config = resolve('option.speculative_config={"method": "draft_model", "model": "draft", '
-                     '"num_speculative_tokens": 3}').engine
-    assert config.speculative_model == "/models/m/draft" and config.num_speculative_tokens == 3
+                     '"num_speculative_tokens": 3}', model_dir=tmp_path).engine
+    assert config.speculative_model == f"{tmp_path}/draft" and config.num_speculative_tokens == 3
 
 
 @pytest.mark.parametrize(("line", "message"), [
     ("option.speculative_draft_model=../other/draft", "without '..'"),
     ("option.speculative_draft_model=s3://bucket/draft", "not downloaded"),
+    ("option.speculative_draft_model=/opt/ml/nothing", "no model folder at /opt/ml/nothing"),
     ('option.speculative_config={"method": "eagle3", "model": "x"}', "EAGLE"),
     ('option.speculative_config={"method": "draft_model"}', "EAGLE"),
     ('option.speculative_config={"method": "ngram", "lookahead": 2}', "unknown field 'lookahead'"),

@@ -162,11 +162,16 @@ def speculative_draft_model(r: Reader, key: Key) -> dict[str, Any] | None:
 
 
 def _draft_folder(r: Reader, name: str, value: str) -> str:
+    """A draft model's local folder (absolute, or inside the model folder), with config.json."""
     path = Path(value)
     if ".." in path.parts or "://" in value:
         r.refuse(name, "a local folder (absolute, or inside the model folder) without '..'; "
                  "draft models are not downloaded")
-    return str(path if path.is_absolute() else r.model_dir / path)
+    folder = path if path.is_absolute() else r.model_dir / path
+    if not (folder / "config.json").is_file():
+        r.refuse(name, f"no model folder at {folder} (config.json); a draft model is read from "
+                 "a local folder, never downloaded")
+    return str(folder)
 
 
 _SPEC_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
