@@ -346,3 +346,23 @@ def test_a_kernel_giving_nan_at_start_up_is_left_off(checkpoints, monkeypatch) -
         (x.shape[0], a[0].shape[0]), float("nan")))
     model, _ = load(checkpoints.folder("ct-int4"))
     assert not model.layers[0].qkv_proj.kernel
+
+
+def test_lora_adapters_run_over_quantized_layers(checkpoints) -> None:
+    """A PEFT adapter over a GPTQ checkpoint serves what PEFT gives on its dequantized
+    weights."""
+    from dataclasses import replace
+
+    from tests.engine_harness import Req, greedy
+    from tests.test_lora import make_adapter
+
+    folder, _ = checkpoints.get("gptq")
+    peft = make_adapter(checkpoints.root / "gptq-reference", checkpoints.root / "gptq-lora", 1)
+    want = [hf_greedy(peft, p, n) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
+    engine = make_engine(folder, "paged", enable_lora=True,
+                         lora_modules=(("ad", str(checkpoints.root / "gptq-lora")),))
+    reqs = [Req(f"r{i}", p, replace(greedy(n), adapter="ad"))
+            for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
+    drive(engine, reqs)
+    engine.close()
+    assert [r.tokens for r in reqs] == want
