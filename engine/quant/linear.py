@@ -112,29 +112,34 @@ class IntQuantLinear(nn.Module):
                 or self.bits not in (4, 8) or not self.packed and self.bits == 4
                 or self.group % 16):
             return False
-        bias, self.bias = self.bias, None  # (not read yet: the probe goes without it)
-        try:
-            probe = torch.randn(5, self.in_features, device=self.codes.device, dtype=dtype)
-            self.kernel = True
-            got = self.forward(probe).float()
-            self.kernel = False
-            want = self.forward(probe).float()
-        except Exception as err:  # noqa: BLE001 - any kernel failure falls back, loudly
-            _warn_once("wq-fail", "int weight kernel failed (%s); dequantizing instead", err)
-            return False
-        finally:
-            self.bias = bias
-        error = _relative_error(got, want)
-        if not math.isfinite(error) or error > KERNEL_TOLERANCE.get(dtype, 2e-2):
-            _warn_once("wq-bad", "int weight kernel differs from dequantized weights by %.1e "
-                       "(relative); dequantizing instead", error)
-            return False
-        return True
+        return _fast_path_agrees(self, "kernel", dtype, "int weight kernel",
+                                 "dequantized weights", "dequantizing instead")
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| over max |want| (NaN when either holds a NaN)."""
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+def _fast_path_agrees(layer: IntQuantLinear | Fp8Linear, flag: str, dtype: torch.dtype,
+                      path: str, reference: str, instead: str) -> bool:
+    """Whether `layer` with its fast path on (attribute `flag`) matches it off on a probe;
+    a failure or a disagreement (NaN included) is logged once, and the flag left off. The
+    bias is not read yet: the probe goes without it."""
+    probe = torch.randn(5, layer.in_features, device=layer.scales.device, dtype=dtype)
+    bias, layer.bias = layer.bias, None
+    try:
+        setattr(layer, flag, True)
+        got = layer(probe).float()
+        setattr(layer, flag, False)
+        want = layer(probe).float()
+    except Exception as err:  # noqa: BLE001 - any fast-path failure falls back, loudly
+        _warn_once(f"{path} failed", f"{path} failed (%s); {instead}", err)
+        return False
+    finally:
+        setattr(layer, flag, False)
+        layer.bias = bias
+    error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    if not math.isfinite(error) or error > KERNEL_TOLERANCE.get(dtype, 2e-2):
+        _warn_once(f"{path} differs", f"{path} differs from {reference} by %.1e (relative); "
+                   f"{instead}", error)
+        return False
+    return True
 
 
 def _dequant_reordered(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -249,22 +254,5 @@ class Fp8Linear(nn.Module):
             _warn_once("fp8-emulated", "fp8 layers dequantize before each matmul (no "
                        "_scaled_mm for this GPU, dtype or scale layout)")
             return False
-        probe = torch.randn(5, self.in_features, device=device, dtype=dtype)
-        bias, self.bias = self.bias, None  # (not read yet: the probe goes without it)
-        try:
-            self.scaled_mm = True
-            got = self.forward(probe).float()
-            self.scaled_mm = False
-            want = self.forward(probe).float()
-        except Exception as err:  # noqa: BLE001 - any kernel failure falls back, loudly
-            _warn_once("fp8-fail", "torch._scaled_mm failed (%s); fp8 layers dequantize", err)
-            self.scaled_mm = False
-            return False
-        finally:
-            self.bias = bias
-        error = _relative_error(got, want)
-        if not math.isfinite(error) or error > KERNEL_TOLERANCE.get(dtype, 2e-2):
-            _warn_once("fp8-bad", "torch._scaled_mm differs from the emulated fp8 matmul by "
-                       "%.1e (relative); fp8 layers dequantize", error)
-            return False
-        return True
+        return _fast_path_agrees(self, "scaled_mm", dtype, "torch._scaled_mm",
+                                 "the emulated fp8 matmul", "fp8 layers dequantize")
