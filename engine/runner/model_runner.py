@@ -315,13 +315,9 @@ class ProposalRow:
         self.num_prompt_tokens = seq.num_prompt_tokens
         self.token_ids = seq.token_ids[:cut]
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    # Sequence's own, over these fields
+    num_output_tokens = Sequence.num_output_tokens
+    output_token_ids = Sequence.output_token_ids
 
 
 def sampled_rows(batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
