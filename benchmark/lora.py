@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmark.tables import write_report
+
 logger = logging.getLogger(__name__)
 
 BLOCKS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -148,13 +150,8 @@ def table(results: dict) -> str:
 
 
 def report(results: dict, out: Path | None) -> None:
-    text = table(results)
-    print(text)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "lora.json").write_text(json.dumps(results, indent=2) + "\n")
-        (out / "lora.md").write_text(
-            f"`bench lora`: {results['model']}, adapters on {', '.join(results['targets'])}, "
-            f"{results['clients']} clients, "
-            f"{results['requests']} requests of {results['prompt_tokens']} + "
-            f"{results['new_tokens']} tokens, offline paged engine.\n\n{text}\n")
+    caption = (f"`bench lora`: {results['model']}, adapters on {', '.join(results['targets'])}, "
+               f"{results['clients']} clients, {results['requests']} requests of "
+               f"{results['prompt_tokens']} + {results['new_tokens']} tokens, offline paged "
+               "engine.")
+    write_report(out, "lora", results, caption, table(results))

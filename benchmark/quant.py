@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmark.tables import write_report
+
 logger = logging.getLogger(__name__)
 
 VARIANTS = ("float", "int8", "int4", "fp8")
@@ -302,19 +304,14 @@ def table(results: dict) -> str:
 
 
 def report(results: dict, out: Path | None) -> None:
-    text = table(results)
-    print(text)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "quant.json").write_text(json.dumps(results, indent=2) + "\n")
-        group = results.get("int4_group_size")
-        (out / "quant.md").write_text(
-            f"`bench quant`: {results['model']}, offline engine (continuous batching), "
-            f"{results['num_kv_blocks']} KV blocks for every variant, decode at batch "
-            f"{' and '.join(map(str, DECODE_BATCHES))}, req/s with {results['clients']} "
-            f"clients over {results['requests']} requests of {results['prompt_tokens']} + "
-            f"{results['new_tokens']} tokens, greedy. Linear weights: the decoder's linear "
-            f"layers (lm_head and embeddings are in all weights); vs bf16: over the same layers "
-            f"in bfloat16 ({results['bf16_linear_bytes'] / 2**20:.1f} MiB)"
-            + (f"; int4: compressed-tensors W4A16, RTN, group size {group}" if group else "")
-            + f".\n\n{text}\n")
+    group = results.get("int4_group_size")
+    caption = (
+        f"`bench quant`: {results['model']}, offline engine (continuous batching), "
+        f"{results['num_kv_blocks']} KV blocks for every variant, decode at batch "
+        f"{' and '.join(map(str, DECODE_BATCHES))}, req/s with {results['clients']} "
+        f"clients over {results['requests']} requests of {results['prompt_tokens']} + "
+        f"{results['new_tokens']} tokens, greedy. Linear weights: the decoder's linear "
+        f"layers (lm_head and embeddings are in all weights); vs bf16: over the same layers "
+        f"in bfloat16 ({results['bf16_linear_bytes'] / 2**20:.1f} MiB)"
+        + (f"; int4: compressed-tensors W4A16, RTN, group size {group}" if group else "") + ".")
+    write_report(out, "quant", results, caption, table(results))

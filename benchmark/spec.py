@@ -11,12 +11,13 @@ whether both runs generated the same tokens. Figures, not tests."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
 from collections import deque
 from pathlib import Path
+
+from benchmark.tables import write_report
 
 logger = logging.getLogger(__name__)
 
@@ -311,18 +312,14 @@ def table(results: dict) -> str:
 
 
 def report(results: dict, out: Path | None) -> None:
-    text = table(results)
-    print(text)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "spec.json").write_text(json.dumps(results, indent=2) + "\n")
-        (out / "spec.md").write_text(
-            f"`bench spec`: {results['model']}, {results['engine']}, closed loop at concurrency "
-            f"{', '.join(map(str, results['concurrency']))} "
-            f"({results['requests_per_client']} requests per client, at least 4 per run); "
-            f"speculation: ngram, {results['num_speculative_tokens']} tokens, prompt lookup "
-            f"{results['prompt_lookup_min']}..{results['prompt_lookup_max']}. repetitive: a "
-            f"code edit and a quoting answer alternated, greedy, up to {results['new_tokens']} "
-            f"new tokens (EOS ends them); lmi: the LMI study's prompts, 64/256/128 new tokens "
-            f"x {results['lmi_new_tokens_scale']:g}, EOS ignored. ms/token: per request, from "
-            f"its first token to its last over the gaps.\n\n{text}\n")
+    caption = (
+        f"`bench spec`: {results['model']}, {results['engine']}, closed loop at concurrency "
+        f"{', '.join(map(str, results['concurrency']))} "
+        f"({results['requests_per_client']} requests per client, at least 4 per run); "
+        f"speculation: ngram, {results['num_speculative_tokens']} tokens, prompt lookup "
+        f"{results['prompt_lookup_min']}..{results['prompt_lookup_max']}. repetitive: a "
+        f"code edit and a quoting answer alternated, greedy, up to {results['new_tokens']} "
+        f"new tokens (EOS ends them); lmi: the LMI study's prompts, 64/256/128 new tokens "
+        f"x {results['lmi_new_tokens_scale']:g}, EOS ignored. ms/token: per request, from "
+        f"its first token to its last over the gaps.")
+    write_report(out, "spec", results, caption, table(results))

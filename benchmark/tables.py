@@ -202,3 +202,14 @@ def summary(results: dict[str, dict], baseline: str = "dynamic") -> str:
         text.append(f"The fastest peer, {peer}, served {rps:.3f} req/s: {best} did "
                     f"{_times(best_rps, rps)} its rate.")
     return " ".join(text + tail)
+
+
+def write_report(out: Path | None, name: str, results: dict, caption: str, table: str) -> None:
+    """Print an offline bench's `table`; with `out`, write NAME.json (the results) and NAME.md
+    (the caption, then the table) there."""
+    print(table)
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{name}.md").write_text(f"{caption}\n\n{table}\n")
