@@ -101,14 +101,18 @@ def _quantized_modules(where: dict[str, Path], scheme: QuantScheme) -> set[str]:
     """Prefixes (model.layers.0.self_attn.q_proj) of the modules stored quantized."""
     marker = "." + MARKERS[scheme.fmt]
     found = {name.removesuffix(marker) for name in where if name.endswith(marker)}
-    if scheme.is_float:  # every layer has a .weight: the float8 ones are quantized
-        found = {p for p in found if _dtype(where[p + marker], p + marker) == "F8_E4M3"}
-    return found
-
-
-def _dtype(file: Path, name: str) -> str:
-    with open_checkpoint(file) as f:
-        return str(f.get_slice(name).get_dtype())
+    if not scheme.is_float:
+        return found
+    # every layer has a .weight: the float8 ones are quantized (each file opened once)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for prefix in found:
+        by_file[where[prefix + marker]].append(prefix)
+    float8: set[str] = set()
+    for file, prefixes in by_file.items():
+        with open_checkpoint(file) as f:
+            float8.update(p for p in prefixes
+                          if str(f.get_slice(p + marker).get_dtype()) == "F8_E4M3")
+    return float8
 
 
 def _read_module(prefix: str, where: dict[str, Path], scheme: QuantScheme,
