@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.triton_wq import pack_int4, unpack_int4
 from engine.quant.scheme import FP8_MAX, ActQuant
 from engine.quant.unpack import FloatWeights, IntWeights
 
@@ -60,7 +61,7 @@ class IntQuantLinear(nn.Module):
         codes = weights.codes.to(device)
         self.packed = bits == 4 and self.in_features % 2 == 0
         if self.packed:  # column 2j in the low nibble of byte j, 2j + 1 in the high one
-            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [N, K / 2]
+            codes = pack_int4(codes)  # [N, K / 2]
         self.register_buffer("codes", codes.contiguous())
         # NOTE: scales keep the checkpoint's dtype (float16 in AWQ/GPTQ): exact, and half the
         # bytes of float32; the arithmetic is float32
@@ -76,9 +77,7 @@ class IntQuantLinear(nn.Module):
 
     def unpacked_codes(self) -> torch.Tensor:
         """[N, K] uint8."""
-        if not self.packed:
-            return self.codes
-        return torch.stack([self.codes & 15, self.codes >> 4], dim=-1).flatten(1)
+        return unpack_int4(self.codes) if self.packed else self.codes
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, computed in float32: (code - zero) * scale."""
