@@ -16,6 +16,7 @@ from engine.config import (
     MAX_LORA_RANKS,
     MODEL_IMPLS,
     QUANTIZATIONS,
+    QUANTIZE_ALIASES,
     EngineConfig,
     is_config_error,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "DEVICES", "DTYPES",
     "LINEAR_BACKENDS", "MAX_LORA_RANKS",
     "MAX_TOP_LOGPROBS", "MODEL_IMPLS", "NATIVE_ARCHITECTURES", "PICKLE_SUFFIXES", "QUANTIZATIONS",
+    "QUANTIZE_ALIASES",
     "AdapterError", "AdapterNotFound", "CoreAddress", "CoreServer", "EngineClient",
     "EngineConfig", "EngineDeadError", "FinishReason", "Gauges",
     "GenerationRequest", "GuidedSpec", "LLMEngine", "ModelFileError", "QueueFullError",

@@ -25,6 +25,9 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # and activations, engine/quant/linear.py); awq, gptq, fp8 and compressed-tensors name a
 # pre-quantized checkpoint's format (read from its config.json either way, engine/quant/).
 QUANTIZATIONS = ("int8", "fp8", "awq", "gptq", "compressed-tensors")
+# vLLM's / LMI's other spellings of those formats
+QUANTIZE_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "marlin": "gptq",
+                    "compressed_tensors": "compressed-tensors", "fbgemm_fp8": "fp8"}
 # speculative_method: None (off) or a proposer engine/spec/ runs
 SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 # A busy step holds this many sequences or more (max_num_seqs, if fewer); the gauges time busy

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# option.quantize values that name a checkpoint format (vLLM/LMI aliases map to ours)
-OPTION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "marlin": "gptq",
-                  "compressed_tensors": "compressed-tensors", "fbgemm_fp8": "fp8"}
+from engine.config import QUANTIZE_ALIASES
+
 # option.quantize → the checkpoint formats it may name (a mismatch stops start-up)
 OPTION_FORMATS = {"awq": ("awq",), "gptq": ("gptq",), "fp8": ("fp8", "ct-fp8"),
                   "compressed-tensors": ("ct-int", "ct-fp8")}
@@ -59,7 +58,7 @@ def scheme_from_config(config: dict, option: str | None) -> QuantScheme | None:
     """The checkpoint's scheme (None: float weights); ValueError naming the field that cannot
     be served, or option.quantize and quant_method when they disagree."""
     raw = config.get("quantization_config")
-    option = OPTION_ALIASES.get(option, option) if option else None
+    option = QUANTIZE_ALIASES.get(option, option) if option else None
     if raw is None:
         if option in ("awq", "gptq", "compressed-tensors"):
             raise ValueError(f"invalid quantize={option!r}: config.json has no "

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine import MAX_LORA_RANKS, QUANTIZATIONS
+from engine import MAX_LORA_RANKS, QUANTIZATIONS, QUANTIZE_ALIASES
 from handler.config.lmi_options import (
     BUILTIN_ENTRY_POINTS,
     INPUT_FORMATTERS,
@@ -42,8 +42,7 @@ def quantize(r: Reader, key: Key) -> str | None:
     fp8, compressed-tensors; vLLM's marlin spellings map to them). Unset is what LMI advises:
     the checkpoint's config.json says its format."""
     value = (r.raw(key.name) or "none").lower()
-    value = {"awq_marlin": "awq", "gptq_marlin": "gptq", "marlin": "gptq",
-             "compressed_tensors": "compressed-tensors", "fbgemm_fp8": "fp8"}.get(value, value)
+    value = QUANTIZE_ALIASES.get(value, value)
     if value == "none":
         return None
     if value not in QUANTIZATIONS:
