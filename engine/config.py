@@ -35,6 +35,48 @@ SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 # shared by few) and leaves the host idle anyway. The HTTP threads' CPU priority is decided on
 # what busy steps cost (handler/cpu_priority.py).
 BUSY_STEP_SEQUENCES = 8
+# The KV transfer between disaggregated workers (vLLM's kv_connector vocabulary): blocks move
+# over torch.distributed point to point, gloo through host memory or NCCL between GPUs.
+KV_CONNECTORS = ("TorchDistributedConnector",)
+KV_BUFFER_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Disaggregation:
+    """Prefill and decode on separate worker processes (engine/disagg/, DistServe): prefill
+    workers compute a prompt's KV and first token and hand the KV to a decode worker; with two
+    or more prefill workers a prompt of cooperative_prefill_threshold tokens or more is split
+    across them (KV-Runahead). kv_ip/kv_port: the TCP store the workers meet at (0: a free
+    port); kv_buffer_device: where KV is staged for the transfer (cpu: gloo; cuda: NCCL)."""
+
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    kv_connector: str = "TorchDistributedConnector"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_buffer_device: str = "auto"
+    cooperative_prefill_threshold: int | None = 2048
+    transfer_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check(self.num_prefill_workers >= 1, "num_prefill_workers", self.num_prefill_workers,
+               "an integer >= 1")
+        _check(self.num_decode_workers >= 1, "num_decode_workers", self.num_decode_workers,
+               "an integer >= 1")
+        _check(self.kv_connector in KV_CONNECTORS, "kv_connector", self.kv_connector,
+               f"one of {', '.join(KV_CONNECTORS)}")
+        _check(0 <= self.kv_port < 65536, "kv_port", self.kv_port, "a TCP port (0: a free one)")
+        _check(self.kv_buffer_device in KV_BUFFER_DEVICES, "kv_buffer_device",
+               self.kv_buffer_device, f"one of {', '.join(KV_BUFFER_DEVICES)}")
+        _check(self.cooperative_prefill_threshold is None
+               or self.cooperative_prefill_threshold >= 2, "cooperative_prefill_threshold",
+               self.cooperative_prefill_threshold, "None or an integer >= 2")
+        _check(self.transfer_timeout_s > 0, "transfer_timeout_s", self.transfer_timeout_s,
+               "> 0 seconds")
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill_workers + self.num_decode_workers
 
 
 @dataclass(frozen=True)
@@ -113,6 +155,8 @@ class EngineConfig:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     speculative_disable_batch_size: int | None = None
+    # Disaggregated prefill and decode (engine/disagg/); None: one engine does both.
+    disaggregation: Disaggregation | None = None
 
     def __post_init__(self) -> None:
         _check(self.batching in BATCHING_STRATEGIES, "batching", self.batching,
@@ -164,6 +208,17 @@ class EngineConfig:
                "max_cpu_loras", self.max_cpu_loras, f"an integer >= max_loras={self.max_loras}")
         _check(self.enable_lora or not self.lora_modules, "enable_lora", self.enable_lora,
                "true when adapters are given")
+        if self.disaggregation is not None:
+            self._check_disaggregation()
+
+    def _check_disaggregation(self) -> None:
+        """What disaggregated workers do not serve (yet): named by the key that asks for it."""
+        _check(self.batching == "paged", "batching", self.batching,
+               "paged with disaggregated prefill/decode (KV moves as blocks)")
+        _check(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+               "1 with disaggregated prefill/decode (each worker runs the whole model)")
+        _check(not self.enable_lora, "enable_lora", self.enable_lora,
+               "false with disaggregated prefill/decode")
 
     @property
     def busy_step_sequences(self) -> int:

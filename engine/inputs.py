@@ -27,6 +27,25 @@ class AddRequest:
 
 
 @dataclass(frozen=True)
+class PrefillRequest(AddRequest):
+    """Inbox message of a disaggregated prefill worker (engine/disagg/): prefill the prompt,
+    sample its first token, then send its KV to decode worker `decode_rank`."""
+
+    decode_rank: int = 0
+
+
+@dataclass(frozen=True)
+class AddPrefilled(AddRequest):
+    """Inbox message of a disaggregated decode worker: a request whose first token prefill
+    worker `src` sampled, and whose `num_kv_tokens` prompt tokens' KV it is sending."""
+
+    token_id: int = 0
+    seed: int = 0
+    num_kv_tokens: int = 0
+    src: int = 0
+
+
+@dataclass(frozen=True)
 class AbortRequest:
     """Inbox message: end a request now and free its KV (its caller went away)."""
 

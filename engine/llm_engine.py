@@ -24,6 +24,7 @@ from engine.text.output_processor import OutputProcessor, StepOutput
 from engine.text.tokenizer_files import load_tokenizer
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from engine.lora.manager import AdapterRegistry
@@ -90,6 +91,8 @@ class LLMEngine:
         self.async_scheduling = False  # from_config decides (engine/observe/async_check.py)
         self._in_flight: _InFlight | None = None
         self._at_risk: list[ScheduledBatch] = []  # scheduled, tokens not read: a failure ends them
+        # disaggregated decode: seq id -> the prompt KV another worker computed, until placed
+        self.remote_kv: dict[int, torch.Tensor] = {}
         # speculative decoding (engine/spec/): proposes before each schedule, verifies after
         self.speculator: Speculator | None = None
         if config.speculative_method is not None:
@@ -177,12 +180,15 @@ class LLMEngine:
         self.output_processor.add(request_id, params)
         self.add_validated(request_id, GenerationRequest(tuple(prompt_token_ids), params))
 
-    def add_validated(self, request_id: str, request: GenerationRequest) -> None:
+    def add_validated(self, request_id: str, request: GenerationRequest,
+                      seed: int | None = None) -> Sequence:
         """Queue a request that passed validate(); the core's inbox lands here (its caller
-        detokenizes step_outputs() itself)."""
+        detokenizes step_outputs() itself). `seed`: its sampling seed when another engine
+        drew it (disaggregated decode); returns its sequence."""
         assert request_id not in self._ids, f"duplicate request id {request_id}"
         params = request.params
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(self._next_seq_id, request.prompt_token_ids, params, self.eos_token_ids,
                        seed)
         self._next_seq_id += 1
@@ -195,9 +201,24 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.UNKNOWN_ADAPTER)
                 self._ready.append(self._output(self._requests[seq.seq_id], None, error=str(
                     UnknownAdapter(params.adapter, self.adapter_names()))))
-                return
+                return seq
         if params.guided is not None:
             self._constrain(request_id, seq)
+        return seq
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The sequence of an unfinished request."""
+        seq_id = self._ids.get(request_id)
+        return None if seq_id is None else self._requests[seq_id].seq
+
+    def detach(self, request_id: str) -> Sequence:
+        """Forget a running request without an output (disaggregated prefill hands it on):
+        its blocks are freed, those in the prefix cache stay there."""
+        seq = self._requests.pop(self._ids.pop(request_id)).seq
+        self.output_processor.discard(request_id)
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self.remote_kv.pop(seq.seq_id, None)
+        return seq
 
     @property
     def guided(self) -> GuidedDecoding:
@@ -230,6 +251,7 @@ class LLMEngine:
         seq_id = self._ids.get(request_id)
         if seq_id is None:
             return None
+        self.remote_kv.pop(seq_id, None)
         req = self._requests[seq_id]
         self.scheduler.finish(req.seq, reason)
         return self._output(req, None, error=error)
@@ -366,8 +388,19 @@ class LLMEngine:
                     seq.withdraw_drafts()
         if batch is not None:
             self._at_risk.append(batch)
+            if self.remote_kv:
+                self._place_remote_kv(batch)
         self.phases.mark("schedule")
         return batch
+
+    def _place_remote_kv(self, batch: ScheduledBatch) -> None:
+        """Sequences admitted with another worker's KV get it written into their blocks now;
+        once scheduled, what they hold is no longer needed either way."""
+        for seq in batch.seqs:
+            kv = self.remote_kv.pop(seq.seq_id, None)
+            if kv is not None and seq.kv_import_start is not None:
+                self.runner.import_kv(seq, seq.kv_import_start, kv)
+            seq.kv_import_start = None
 
     def _launch(self, batch: ScheduledBatch) -> _InFlight:
         """Queue the batch on the device and count its tokens as computed."""

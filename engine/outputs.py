@@ -79,3 +79,16 @@ class Gauges(NamedTuple):
     # sequences summed (a batch of 8: 8)
     busy_step_seconds: float = 0.0
     busy_sequence_steps: int = 0
+
+
+class Handoff(NamedTuple):
+    """A disaggregated prefill worker's news (engine/disagg/): the prompt of `request_id` is
+    prefilled and its first token sampled; its KV goes from worker `src` to worker `dst`,
+    where the decode goes on with the same sampling seed."""
+
+    request_id: str
+    token_id: int
+    seed: int
+    num_kv_tokens: int
+    src: int
+    dst: int

@@ -87,6 +87,10 @@ class Sequence:
         # Speculative decoding (engine/spec/): trailing proposed tokens, scheduled with its last
         # one and verified by the step's samples; never cached, never reported until accepted.
         self.num_drafts = 0
+        # Disaggregated decode (engine/disagg/): leading tokens whose KV another worker
+        # computed; admission places it in the sequence's blocks instead of computing it.
+        self.num_remote_kv_tokens = 0
+        self.kv_import_start: int | None = None  # admitted: where the placing starts
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "

@@ -14,13 +14,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.core.adapters import AdapterList, AdapterReply, adapter_list, answer
 from engine.heap import freeze_start_up_heap
 from engine.inputs import AbortRequest, AddAdapter, AddRequest, RemoveAdapter, StopCore
 from engine.llm_engine import LLMEngine
 from engine.observe.step_watch import StepWatch
-from engine.outputs import Gauges, StepStats
+from engine.outputs import Gauges, Handoff, StepStats
 from engine.runner.tp_workers import WorkerLost
 from engine.sequence import FinishReason
 from engine.text.output_processor import StepOutput
@@ -43,13 +44,28 @@ class CoreUpdate:
     stats: StepStats | None = None
     replies: tuple[AdapterReply, ...] = ()
     adapters: AdapterList | None = None
+    handoffs: tuple[Handoff, ...] = ()  # a disaggregated prefill worker's (engine/disagg/)
 
     def __reduce__(self):
         # To the serving process as columns of plain values: at batch 25 this pickles in ~17 us
         # instead of ~68 (an object per output) on the core's every step, and loads faster.
         columns = list(zip(*self.outputs, strict=True))
         stats = None if self.stats is None else tuple(self.stats)
-        return _rebuild_update, (columns, tuple(self.gauges), stats, self.replies, self.adapters)
+        return _rebuild_update, (columns, tuple(self.gauges), stats, self.replies, self.adapters,
+                                 self.handoffs)
+
+
+class CoreRole(Protocol):
+    """What a disaggregated worker adds to the loop (engine/disagg/roles.py)."""
+
+    def apply(self, message: object, deadlines: dict[str, float]) -> bool:
+        """Take a message of the role's own (True), recording deadlines it accepts."""
+
+    def after_step(self, outputs: list[StepOutput]) -> tuple[Handoff, ...]:
+        """What the step's outputs hand on to other workers."""
+
+    def forget(self, request_id: str) -> None:
+        """An abort for a request this engine does not hold (it may be on its way here)."""
 
 
 def prepare_to_serve(engine: LLMEngine) -> None:
@@ -65,10 +81,12 @@ def prepare_to_serve(engine: LLMEngine) -> None:
 
 def _rebuild_update(columns: list[tuple], gauges: tuple, stats: tuple | None,
                     replies: tuple[AdapterReply, ...] = (),
-                    adapters: AdapterList | None = None) -> CoreUpdate:
+                    adapters: AdapterList | None = None,
+                    handoffs: tuple[Handoff, ...] = ()) -> CoreUpdate:
     make = StepOutput._make
     return CoreUpdate([make(row) for row in zip(*columns, strict=True)], Gauges._make(gauges),
-                      None if stats is None else StepStats._make(stats), replies, adapters)
+                      None if stats is None else StepStats._make(stats), replies, adapters,
+                      handoffs)
 
 
 class EngineCore:
@@ -78,8 +96,10 @@ class EngineCore:
 
     def __init__(self, engine: LLMEngine,
                  receive: Callable[[float | None], list[CoreMessage]],
-                 publish: Callable[[CoreUpdate | None], None]) -> None:
+                 publish: Callable[[CoreUpdate | None], None],
+                 role: CoreRole | None = None) -> None:
         self.engine = engine
+        self.role = role  # a disaggregated worker's prefill or decode side
         self._receive = receive
         self._publish = publish
         self._deadlines: dict[str, float] = {}
@@ -126,7 +146,8 @@ class EngineCore:
             return IDLE_POLL_SECONDS if hint is None else max(hint, 1e-4)
         stats = engine.last_step_stats(time.perf_counter() - start)
         self.watch.finish(stats)
-        self._send(outputs, stats)
+        handoffs = self.role.after_step(outputs) if self.role is not None else ()
+        self._send(outputs, stats, handoffs=handoffs)
         return None
 
     def _step(self) -> list[StepOutput]:
@@ -148,6 +169,8 @@ class EngineCore:
         outputs = []
         replies = []
         for message in messages:
+            if self.role is not None and self.role.apply(message, self._deadlines):
+                continue
             if isinstance(message, AddRequest):
                 self.engine.add_validated(message.request_id, message.request)
                 if message.request.deadline is not None:
@@ -178,10 +201,13 @@ class EngineCore:
                error: str | None) -> list[StepOutput]:
         output = self.engine.abort(request_id, reason, error)
         self._deadlines.pop(request_id, None)
+        if output is None and self.role is not None:
+            self.role.forget(request_id)
         return [output] if output else []
 
     def _send(self, outputs: list[StepOutput], stats: StepStats | None = None,
-              force: bool = True, replies: tuple[AdapterReply, ...] = ()) -> None:
+              force: bool = True, replies: tuple[AdapterReply, ...] = (),
+              handoffs: tuple[Handoff, ...] = ()) -> None:
         if not (outputs or stats or force):
             return
         if self._deadlines:
@@ -190,7 +216,8 @@ class EngineCore:
                     self._deadlines.pop(out.request_id, None)
         self._gauges_unsent = False
         adapters = adapter_list(self.engine) if replies else None
-        self._publish(CoreUpdate(outputs, self.engine.gauges(), stats, replies, adapters))
+        self._publish(CoreUpdate(outputs, self.engine.gauges(), stats, replies, adapters,
+                                 handoffs))
 
     def _end_all(self, error: str) -> None:
         try:

@@ -24,6 +24,7 @@ from engine.lora.runtime import LoraRuntime
 from engine.models.spec import ModelSpec
 from engine.observe.phases import NoPhases, PhaseClock
 from engine.outputs import SampledToken
+from engine.runner import kv_transfer
 from engine.runner.graphs.piecewise import PiecewiseStep
 from engine.runner.graphs.whole_step import PaddedDecode
 from engine.runner.sampler import GreedyKernel, SampledRows, Sampler
@@ -143,6 +144,17 @@ class ModelRunner:
     def clear_kv(self) -> None:
         """Zero the whole pool: what a start-up check or an abandoned capture wrote there."""
         self.kv_cache.zero_()
+
+    def export_kv(self, seq: Sequence, end: int, start: int = 0) -> torch.Tensor:
+        """[layers, 2, end - start, Hkv, D]: the K/V of positions start..end-1 of `seq`."""
+        return kv_transfer.export_kv(self.kv_cache, self.layout, seq, self.block_size, end,
+                                     start)
+
+    def import_kv(self, seq: Sequence, start: int, kv: torch.Tensor, kv_start: int = 0) -> None:
+        """Write another pool's K/V of `seq` (export_kv's, from position kv_start) into its
+        blocks from position `start` on."""
+        kv_transfer.import_kv(self.kv_cache, self.layout, seq, self.block_size, start, kv,
+                              kv_start)
 
     @property
     def kv_cache_bytes(self) -> int:

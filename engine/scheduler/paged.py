@@ -152,6 +152,11 @@ class PagedBatching(Scheduler):
             if not self._adapter_fits(seq):
                 break
             self.allocator.match_prefix(seq)
+            if seq.num_remote_kv_tokens > seq.num_computed_tokens:
+                if not self._admit_prefilled(seq, picked):
+                    break
+                budget -= 1
+                continue
             n = self._wanted_chunk(seq, budget, picked)
             n = n if self.chunked or n <= self._free_slots(seq) else 0
             n = min(n, self._free_slots(seq))
@@ -167,6 +172,24 @@ class PagedBatching(Scheduler):
             budget -= n
         return budget
 
+    def _admit_prefilled(self, seq: Sequence, picked: dict[Sequence, int]) -> bool:
+        """A sequence whose prompt KV another worker computed (disaggregated decode): blocks for
+        its prompt and first output token, the prompt counted as computed from
+        `kv_import_start` on (the runner writes it there before the step); only the first
+        output token is computed now. False (nothing taken) when the blocks are not free."""
+        if seq.num_uncomputed_tokens > self._free_slots(seq):
+            self.allocator.free(seq)  # give back the prefix blocks it just shared
+            seq.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        self.allocator.allocate(seq, seq.num_uncomputed_tokens)
+        seq.kv_import_start = seq.num_computed_tokens
+        seq.num_computed_tokens = seq.num_remote_kv_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        picked[seq] = 1
+        return True
+
     def _recompute(self, seq: Sequence) -> None:
         self._preempt(seq)  # its blocks may be shared or freed behind a window: start afresh
 
@@ -176,6 +199,7 @@ class PagedBatching(Scheduler):
         self.allocator.cache_full_blocks(seq)
         self.allocator.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_remote_kv_tokens = 0  # its KV went with its blocks: recomputed from here
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -29,6 +29,9 @@ from engine.text.tokenizer_pool import MAX_CHARS_PER_TOKEN, TokenizerPool
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from engine.core.process import ProcessCore
+    from engine.disagg.router import DisaggregatedCore
+
 
 class EngineClient:
     """The serving side of one engine: tokenizer, validation, the loop; the core behind it
@@ -48,11 +51,16 @@ class EngineClient:
                     process: bool = False) -> EngineClient:
         """Load the model and build the engine, here or in a core process; start() then begins
         serving."""
-        if not process:
-            return cls(LLMEngine.from_config(config), max_queued, on_step)
-        from engine.core.process import ProcessCore
+        if config.disaggregation is not None:  # worker processes behind a router
+            from engine.disagg.router import DisaggregatedCore
 
-        core = ProcessCore(config)  # loads the model while this process loads the tokenizer
+            core: ProcessCore | DisaggregatedCore = DisaggregatedCore(config)
+        elif not process:
+            return cls(LLMEngine.from_config(config), max_queued, on_step)
+        else:
+            from engine.core.process import ProcessCore
+
+            core = ProcessCore(config)  # loads the model while this process loads the tokenizer
         try:
             tokenizer = load_tokenizer(config)
             core.wait_ready()

@@ -1,0 +1,329 @@
+"""DisaggregatedCore: what the serving side holds of disaggregated workers (DistServe).
+
+It looks like one engine core to EngineLoop (send, receive, has_update, is_alive, join), and
+routes: a request goes to the least busy prefill worker, naming the decode worker its KV will
+go to (chosen then, as SGLang pairs them); the prefill worker's hand-off becomes that decode
+worker's AddPrefilled notice, in the order the prefill worker published them (its KV follows
+on the wire in that order). Every worker's updates merge into one stream. A worker that dies
+fails its requests (and those on their way from or to it) and turns the core unhealthy, so
+/ping says 503; nothing waits for it."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import socket
+import threading
+
+from engine.config import EngineConfig
+from engine.core.adapters import AdapterReply
+from engine.core.engine_core import CoreMessage, CoreUpdate
+from engine.core.process import CoreFailed, CoreReady, send_message
+from engine.disagg.worker import DECODE, PREFILL, WorkerArgs, worker_main
+from engine.inputs import (
+    AbortRequest,
+    AddAdapter,
+    AddPrefilled,
+    AddRequest,
+    GenerationRequest,
+    PrefillRequest,
+    RemoveAdapter,
+    RequestLimits,
+    StopCore,
+)
+from engine.outputs import Gauges, Handoff
+from engine.sequence import FinishReason
+from engine.text.output_processor import StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def share_cores(num_workers: int) -> list[tuple[int, ...]]:
+    """This host's cores cut into one contiguous share per worker (shared round-robin when
+    there are fewer cores than workers)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < num_workers:
+        return [(cores[i % len(cores)],) for i in range(num_workers)]
+    size, extra = divmod(len(cores), num_workers)
+    shares, start = [], 0
+    for i in range(num_workers):
+        end = start + size + (1 if i < extra else 0)
+        shares.append(tuple(cores[start:end]))
+        start = end
+    return shares
+
+
+def merge_gauges(gauges: list[Gauges]) -> Gauges:
+    """The workers' gauges as one engine's: counts and blocks summed."""
+    first = gauges[0]
+    hit_rates = [g.prefix_cache_hit_rate for g in gauges]
+    return first._replace(
+        num_waiting=sum(g.num_waiting for g in gauges),
+        num_running=sum(g.num_running for g in gauges),
+        kv_blocks_used=sum(g.kv_blocks_used for g in gauges),
+        kv_blocks_total=sum(g.kv_blocks_total for g in gauges),
+        max_concurrency=sum(g.max_concurrency for g in gauges),
+        prefix_cache_hit_rate=sum(hit_rates) / len(hit_rates),
+        busy_step_seconds=sum(g.busy_step_seconds for g in gauges),
+        busy_sequence_steps=sum(g.busy_sequence_steps for g in gauges))
+
+
+class _Worker:
+    """One worker process and the router's ends of its pipes."""
+
+    def __init__(self, context, args: WorkerArgs) -> None:
+        self.rank, self.role = args.rank, args.role
+        inbox_end, self.inbox = context.Pipe(duplex=False)
+        self.updates, outbox_end = context.Pipe(duplex=False)
+        self.process = context.Process(target=worker_main, args=(args, inbox_end, outbox_end),
+                                       name=f"{args.role}-worker-{args.rank}", daemon=True)
+        self.process.start()
+        inbox_end.close()  # only the child holds these now: its death reads as EOF here
+        outbox_end.close()
+        self.send_lock = threading.Lock()
+        self.in_flight = 0  # requests it holds (a load-balancing hint)
+        self.gauges: Gauges | None = None
+        self.alive = True
+
+    def send(self, message: object) -> None:
+        with self.send_lock:
+            try:
+                send_message(self.inbox, message)
+            except OSError:  # it is gone; its reader reports it
+                pass
+
+    def receive(self) -> object | None:
+        try:
+            return self.updates.recv()
+        except (EOFError, OSError):
+            return None
+
+
+class DisaggregatedCore:
+    """Prefill and decode workers behind one core interface; wait_ready() before use."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        plan = config.disaggregation
+        assert plan is not None, "DisaggregatedCore serves a disaggregated configuration"
+        self.config = config
+        context = multiprocessing.get_context("spawn")
+        port = plan.kv_port or free_port(plan.kv_ip)
+        cores = share_cores(plan.num_workers) if config.device != "cuda" else []
+        level = logging.getLogger().getEffectiveLevel()
+        roles = [PREFILL] * plan.num_prefill_workers + [DECODE] * plan.num_decode_workers
+        self._workers = [
+            _Worker(context, WorkerArgs(config, role, rank, plan.num_workers, plan.kv_ip, port,
+                                        cores[rank] if cores else (), level))
+            for rank, role in enumerate(roles)]
+        self._updates: queue.SimpleQueue[CoreUpdate | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._requests: dict[str, GenerationRequest] = {}  # unfinished, by id
+        self._where: dict[str, int] = {}  # request id -> the worker that holds it
+        self._coming_from: dict[str, int] = {}  # handed off, no decode output yet: its sender
+        self._aborted: dict[str, AbortRequest] = {}  # asked to end, not ended yet
+        self._ended = 0  # workers whose last word came
+        self._failed: str | None = None  # why the workers no longer serve
+        self._stopping = False  # StopCore sent: workers ending is no failure
+        self._readers: list[threading.Thread] = []
+
+    # --- start-up ---
+
+    def wait_ready(self) -> None:
+        """Block until every worker has loaded its model; raises if one could not."""
+        readies = []
+        for worker in self._workers:
+            first = worker.receive()
+            if not isinstance(first, CoreReady):
+                self.terminate()
+                if isinstance(first, CoreFailed) and first.config_error:
+                    raise ValueError(first.message)
+                reason = first.message if isinstance(first, CoreFailed) else "it exited"
+                raise RuntimeError(f"disaggregated {worker.role} worker {worker.rank} did not "
+                                   f"start: {reason}")
+            worker.gauges = first.gauges
+            readies.append(first)
+        self.limits = RequestLimits(
+            min(r.limits.max_model_len for r in readies),
+            min(r.limits.max_seq_tokens for r in readies), readies[0].limits.vocab_size)
+        self.initial_gauges = merge_gauges([r.gauges for r in readies])
+        self.initial_adapters: tuple = ()
+        self.lora_enabled = False
+        logger.info("disaggregated serving: %d prefill and %d decode workers ready",
+                    len(self._of(PREFILL)), len(self._of(DECODE)))
+
+    def start(self) -> None:
+        for worker in self._workers:
+            thread = threading.Thread(target=self._read, args=(worker,), daemon=True,
+                                      name=f"router-{worker.role}-{worker.rank}")
+            thread.start()
+            self._readers.append(thread)
+
+    # --- the core interface ---
+
+    def send(self, message: CoreMessage) -> None:
+        with self._lock:
+            if isinstance(message, AddRequest):
+                self._add(message)
+            elif isinstance(message, AbortRequest):
+                self._abort(message)
+            elif isinstance(message, (AddAdapter, RemoveAdapter)):
+                self._updates.put(CoreUpdate([], self._gauges(), replies=(AdapterReply(
+                    message.call_id, "ValueError",
+                    "LoRA adapters are not served with disaggregated prefill/decode"),)))
+            elif isinstance(message, StopCore):
+                self._stopping = True
+                for worker in self._workers:
+                    worker.send(message)
+
+    def receive(self) -> CoreUpdate | None:
+        return self._updates.get()
+
+    def has_update(self) -> bool:
+        return not self._updates.empty()
+
+    def is_alive(self) -> bool:
+        return self._failed is None and self._ended == 0
+
+    def join(self, timeout: float) -> bool:
+        for worker in self._workers:
+            worker.process.join(timeout)
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(2)
+        return True
+
+    def terminate(self) -> None:
+        for worker in self._workers:
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(2)
+
+    # --- routing (under the lock) ---
+
+    def _of(self, role: str) -> list[_Worker]:
+        return [w for w in self._workers if w.role == role]
+
+    def _least_busy(self, role: str) -> _Worker | None:
+        live = [w for w in self._of(role) if w.alive]
+        return min(live, key=lambda w: w.in_flight) if live else None
+
+    def _add(self, message: AddRequest) -> None:
+        rid, request = message.request_id, message.request
+        prefill, decode = self._least_busy(PREFILL), self._least_busy(DECODE)
+        if self._failed is not None or prefill is None or decode is None:
+            self._updates.put(CoreUpdate([self._ending(rid, request, FinishReason.ERROR,
+                                                       self._failed or "no worker left")],
+                                         self._gauges()))
+            return
+        self._requests[rid] = request
+        self._where[rid] = prefill.rank
+        prefill.in_flight += 1
+        prefill.send(PrefillRequest(rid, request, decode_rank=decode.rank))
+
+    def _abort(self, message: AbortRequest) -> None:
+        rid = message.request_id
+        where = self._where.get(rid)
+        if where is None:
+            return  # ended already
+        self._aborted[rid] = message
+        self._workers[where].send(message)
+        if rid in self._coming_from:  # the decode worker may not hold it yet: end it here
+            self._updates.put(CoreUpdate([self._end(rid, message)], self._gauges()))
+
+    def _hand_on(self, handoff: Handoff) -> StepOutput | None:
+        """Forward a prefill worker's hand-off to its decode worker; the ending of a request
+        aborted meanwhile (its KV is on the wire: the decode worker reads and drops it)."""
+        rid = handoff.request_id
+        request = self._requests.get(rid)
+        source, target = self._workers[handoff.src], self._workers[handoff.dst]
+        source.in_flight -= 1
+        if request is None:
+            return None
+        if not target.alive:
+            return self._ending(rid, request, FinishReason.ERROR, self._failed, tokens=1)
+        target.send(AddPrefilled(rid, request, handoff.token_id, handoff.seed,
+                                 handoff.num_kv_tokens, handoff.src))
+        target.in_flight += 1
+        self._where[rid] = target.rank
+        self._coming_from[rid] = source.rank
+        aborted = self._aborted.get(rid)
+        if aborted is None:
+            return None
+        target.send(aborted)
+        return self._end(rid, aborted)
+
+    def _end(self, rid: str, abort: AbortRequest) -> StepOutput:
+        return self._ending(rid, self._requests[rid], abort.reason, abort.error, tokens=1)
+
+    def _ending(self, rid: str, request: GenerationRequest, reason: FinishReason,
+                error: str | None, tokens: int = 0) -> StepOutput:
+        self._finish(rid)
+        return StepOutput(rid, None, None, len(request.prompt_token_ids), tokens,
+                          reason.value, error)
+
+    def _finish(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._aborted.pop(rid, None)
+        self._coming_from.pop(rid, None)
+        where = self._where.pop(rid, None)
+        if where is not None:
+            self._workers[where].in_flight -= 1
+
+    def _gauges(self) -> Gauges:
+        return merge_gauges([w.gauges for w in self._workers if w.gauges is not None])
+
+    # --- each worker's updates ---
+
+    def _read(self, worker: _Worker) -> None:
+        while True:
+            update = worker.receive()
+            if not isinstance(update, CoreUpdate):
+                self._gone(worker)
+                return
+            with self._lock:
+                outputs = [out for out in update.outputs if self._passes(worker, out)]
+                outputs += [out for h in update.handoffs if (out := self._hand_on(h))]
+                worker.gauges = update.gauges
+                merged = CoreUpdate(outputs, self._gauges(), update.stats)
+            self._updates.put(merged)
+
+    def _passes(self, worker: _Worker, out: StepOutput) -> bool:
+        """Whether a worker's output goes to the front (not for requests ended here)."""
+        rid = out.request_id
+        if self._where.get(rid) != worker.rank:
+            return False
+        self._coming_from.pop(rid, None)
+        if out.finish_reason is not None:
+            self._finish(rid)
+        return True
+
+    def _gone(self, worker: _Worker) -> None:
+        """A worker's last word (or death): fail what it held or what moves from or to it."""
+        with self._lock:
+            worker.alive = False
+            self._ended += 1
+            doomed = [rid for rid, w in self._where.items() if w == worker.rank]
+            doomed += [rid for rid, src in self._coming_from.items() if src == worker.rank
+                       and rid not in doomed]
+            if self._failed is None:
+                self._failed = f"disaggregated {worker.role} worker {worker.rank} stopped"
+                if not self._stopping:
+                    logger.error("%s; /ping now answers 503", self._failed)
+            for rid in doomed:
+                w = self._where.get(rid)
+                if w is not None and w != worker.rank:
+                    self._workers[w].send(AbortRequest(rid, FinishReason.ERROR))
+            outputs = [self._ending(rid, self._requests[rid], FinishReason.ERROR, self._failed)
+                       for rid in doomed]
+            last = self._ended == len(self._workers)
+        self._updates.put(CoreUpdate(outputs, self._gauges()))
+        if last:
+            self._updates.put(None)

@@ -1,0 +1,134 @@
+"""A disaggregated worker process: one engine on its own cores or GPU, prefill or decode.
+
+Spawned by the router (engine/disagg/router.py) with two pipes, as the engine core process is
+(engine/core/process.py): it joins the KV link, loads the model, says CoreReady, then runs the
+EngineCore loop with its role (engine/disagg/roles.py). A decode worker's receiving threads
+wake the loop through a pipe of its own when a hand-off's KV has arrived."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.engine_core import CoreMessage, EngineCore, prepare_to_serve
+from engine.core.process import CoreFailed, CoreReady, _Pipes
+from engine.disagg.roles import DecodeRole, PrefillRole
+from engine.disagg.transfer import KVLink
+from engine.inputs import StopCore
+
+logger = logging.getLogger(__name__)
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What the router tells worker `rank` (prefill workers first, then decode workers)."""
+
+    config: EngineConfig
+    role: str  # PREFILL or DECODE
+    rank: int
+    world_size: int
+    kv_host: str
+    kv_port: int
+    cores: tuple[int, ...]  # CPU cores it runs on (the host's, shared out); () : all
+    log_level: int
+
+
+class _WorkerPipes(_Pipes):
+    """The core's pipes, plus a wake-up pipe the receiving threads write to and the arrivals
+    they queued, read as messages."""
+
+    def __init__(self, inbox: Connection, outbox: Connection) -> None:
+        super().__init__(inbox, outbox)
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._inbox_ready.add(self._wake_r)
+        self.role: DecodeRole | None = None
+
+    def wake(self) -> None:
+        self._wake_w.send_bytes(b"")
+
+    def receive(self, timeout: float | None) -> list[CoreMessage]:
+        if self._front_gone:
+            return [StopCore()]
+        messages: list = []
+        try:
+            ready = self._inbox_ready.ready(timeout or 0.0)
+            while ready:
+                for conn in ready:
+                    if conn is self._wake_r:
+                        conn.recv_bytes()
+                    else:
+                        messages.append(conn.recv())
+                ready = self._inbox_ready.ready(0.0)
+        except (EOFError, OSError):
+            self._front_gone = True
+            messages.append(StopCore())
+        if self.role is not None:
+            messages += self.role.take_arrivals()
+        return messages
+
+
+def worker_device(config: EngineConfig, rank: int, world_size: int) -> torch.device:
+    """Where this worker computes: GPU number rank (modulo the cards there are) on CUDA."""
+    if config.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpu = rank % torch.cuda.device_count()
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
+
+
+def buffer_device(config: EngineConfig, device: torch.device, world_size: int) -> torch.device:
+    """Where KV is staged for the wire: the GPU (NCCL) when every worker has a card of its own,
+    else host memory (gloo; NCCL refuses two ranks on one card)."""
+    choice = config.disaggregation.kv_buffer_device if config.disaggregation else "auto"
+    if choice == "auto":
+        own_cards = device.type == "cuda" and torch.cuda.device_count() >= world_size
+        choice = "cuda" if own_cards else "cpu"
+    return device if choice == "cuda" and device.type == "cuda" else torch.device("cpu")
+
+
+def worker_main(args: WorkerArgs, inbox: Connection, outbox: Connection) -> None:
+    logging.basicConfig(level=args.log_level, format=(
+        f"%(asctime)s %(levelname)s {args.role}-worker-{args.rank} %(name)s: %(message)s"))
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the router stops us
+        signal.signal(signum, signal.SIG_IGN)
+    if args.cores:
+        os.sched_setaffinity(0, args.cores)
+        torch.set_num_threads(len(args.cores))
+    pipes = _WorkerPipes(inbox, outbox)
+    config = args.config
+    if args.role == PREFILL:  # it hands each prompt on after one token: nothing to overlap
+        config = replace(config, async_scheduling=False, speculative_method=None,
+                         speculative_model=None)
+    device = worker_device(config, args.rank, args.world_size)
+    assert config.disaggregation is not None  # the router starts workers for it only
+    from engine.llm_engine import LLMEngine
+
+    try:
+        link = KVLink(args.rank, args.world_size, args.kv_host, args.kv_port,
+                      buffer_device(config, device, args.world_size),
+                      config.disaggregation.transfer_timeout_s)
+        engine = LLMEngine.from_config(replace(config, device=device.type))
+    except Exception as err:
+        pipes.publish(CoreFailed.of(err))
+        return
+    role: PrefillRole | DecodeRole
+    if args.role == PREFILL:
+        role = PrefillRole(engine, link)
+    else:
+        role = pipes.role = DecodeRole(engine, link, pipes.wake)
+    prepare_to_serve(engine)
+    pipes.publish(CoreReady.of(engine))
+    try:
+        EngineCore(engine, pipes.receive, pipes.publish, role).run()
+    finally:
+        role.close()
+        link.close()
