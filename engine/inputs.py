@@ -35,6 +35,20 @@ class PrefillRequest(AddRequest):
 
 
 @dataclass(frozen=True)
+class CooperativeSlice(PrefillRequest):
+    """Inbox message of a prefill worker sharing one long prompt with others (KV-Runahead):
+    compute its tokens slice_start..len(prompt)-1 in one step, the K/V before them arriving
+    layer by layer from worker `prev_rank`, and pass each layer's K/V of the whole request so
+    far on to worker `next_rank`; the last slice (next_rank None) samples the first token and
+    hands the KV to decode_rank. `coop_id` tells this prompt's transfers from others'."""
+
+    coop_id: int = 0
+    slice_start: int = 0
+    prev_rank: int | None = None
+    next_rank: int | None = None
+
+
+@dataclass(frozen=True)
 class AddPrefilled(AddRequest):
     """Inbox message of a disaggregated decode worker: a request whose first token prefill
     worker `src` sampled, and whose `num_kv_tokens` prompt tokens' KV it is sending."""

@@ -6,7 +6,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
 from engine.guided import GuidedDecoding
@@ -24,13 +24,19 @@ from engine.text.output_processor import OutputProcessor, StepOutput
 from engine.text.tokenizer_files import load_tokenizer
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerBase
 
     from engine.lora.manager import AdapterRegistry
     from engine.runner.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
+
+
+class RemoteKV(Protocol):
+    """K/V of a sequence's leading tokens that another worker computes (engine/disagg/)."""
+
+    def place(self, runner: ModelRunner, seq: Sequence, start: int) -> None:
+        """Put it in `seq`'s blocks from position `start` on, before its step runs."""
 
 
 @dataclass
@@ -91,8 +97,8 @@ class LLMEngine:
         self.async_scheduling = False  # from_config decides (engine/observe/async_check.py)
         self._in_flight: _InFlight | None = None
         self._at_risk: list[ScheduledBatch] = []  # scheduled, tokens not read: a failure ends them
-        # disaggregated decode: seq id -> the prompt KV another worker computed, until placed
-        self.remote_kv: dict[int, torch.Tensor] = {}
+        # disaggregated workers: seq id -> the prompt KV other workers computed, until placed
+        self.remote_kv: dict[int, RemoteKV] = {}
         # speculative decoding (engine/spec/): proposes before each schedule, verifies after
         self.speculator: Speculator | None = None
         if config.speculative_method is not None:
@@ -399,7 +405,7 @@ class LLMEngine:
         for seq in batch.seqs:
             kv = self.remote_kv.pop(seq.seq_id, None)
             if kv is not None and seq.kv_import_start is not None:
-                self.runner.import_kv(seq, seq.kv_import_start, kv)
+                kv.place(self.runner, seq, seq.kv_import_start)
             seq.kv_import_start = None
 
     def _launch(self, batch: ScheduledBatch) -> _InFlight:

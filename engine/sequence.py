@@ -91,6 +91,9 @@ class Sequence:
         # computed; admission places it in the sequence's blocks instead of computing it.
         self.num_remote_kv_tokens = 0
         self.kv_import_start: int | None = None  # admitted: where the placing starts
+        # A slice of a prompt several prefill workers share (KV-Runahead): computed in one
+        # step, trading K/V with the other workers between layers; never matched in the cache.
+        self.cooperative = False
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "

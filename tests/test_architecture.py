@@ -144,8 +144,9 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "llm_engine": {"base", "kv", "text", "observe", "parallel", "models", "lora", "scheduler",
                    "runner", "spec"},
     "core": {"base", "text", "observe", "parallel", "lora", "runner", "llm_engine"},
-    "serving": {"base", "text", "lora", "core", "llm_engine"},
-    "face": {"base", "models", "lora", "llm_engine", "core", "serving"},
+    "disagg": {"base", "text", "runner", "llm_engine", "core"},
+    "serving": {"base", "text", "lora", "core", "llm_engine", "disagg"},
+    "face": {"base", "models", "lora", "llm_engine", "core", "disagg", "serving"},
 }
 
 

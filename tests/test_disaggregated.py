@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import SamplingParams
+from engine import EngineDeadError, SamplingParams
 from engine.disagg.roles import Arrived, DecodeRole, PrefillRole
 from engine.inputs import AddPrefilled, GenerationRequest, PrefillRequest
 from tests.engine_harness import hf_greedy, make_engine
@@ -31,10 +31,19 @@ class QueueWire:
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._channel(self.rank, dst, tag).put(tensor.clone())
 
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
+        self.send(tensor, dst, tag)
+        return SentAlready()
+
     def recv(self, shape, dtype, src: int, tag: int) -> torch.Tensor:
         tensor = self._channel(src, self.rank, tag).get(timeout=30)
         assert tuple(tensor.shape) == tuple(shape) and tensor.dtype == dtype
         return tensor
+
+
+class SentAlready:
+    def wait(self) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -166,15 +175,19 @@ def test_a_lost_transfer_recomputes_the_prompt_after_the_same_first_token(model,
 
 # --- worker processes behind the router, the KV over gloo ---
 
-def serve_client(model, prompts, params, **disagg):
-    from engine import EngineClient, EngineConfig
-    from engine.config import Disaggregation
+def start_client(model, max_model_len: int = 96, **disagg):
+    from engine import Disaggregation, EngineClient, EngineConfig
 
     config = EngineConfig(model=str(model), batching="paged", max_num_seqs=4, dtype="float32",
-                          device="cpu", max_model_len=96,
-                          disaggregation=Disaggregation(**disagg))
+                          device="cpu", max_model_len=max_model_len,
+                          max_num_batched_tokens=16, disaggregation=Disaggregation(**disagg))
     client = EngineClient.from_config(config, 100)
     client.start()
+    return client
+
+
+def serve_client(model, prompts, params, **disagg):
+    client = start_client(model, **disagg)
     try:
         handles = [client.submit(GenerationRequest(tuple(p), params)) for p in prompts]
         return [[e.token_id for e in h.events() if e.token_id is not None] for h in handles]
@@ -187,3 +200,114 @@ def test_workers_over_gloo_serve_transformers_greedy_tokens(model, hf) -> None:
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     got = serve_client(model, prompts, params)
     assert got == [hf_greedy(hf, p, 10) for p in prompts]
+
+
+# --- KV-Runahead: one prompt shared by several prefill workers ---
+
+def test_the_partition_balances_attention_and_covers_the_prompt() -> None:
+    from engine.disagg.runahead import partition
+
+    starts = partition(4000, 2, 3000.0)
+    assert starts[0] == 0 and 2000 < starts[1] < 2400  # the later slice attends to more
+    assert partition(5, 3, 10.0) == [0, 2, 4]  # uneven, every slice at least one token
+    assert partition(3, 3, 0.0) == [0, 1, 2]
+    assert partition(100, 4, 1e9) == [0, 25, 50, 75]  # no attention cost: equal slices
+
+
+def serve_cooperative(model, prompts, params, num_prefill: int, **prefill) -> list[list[int]]:
+    """Each prompt split across `num_prefill` prefill engines (stepped one after the other:
+    the in-process wire holds what a layer sends until the next one reads it)."""
+    from engine.disagg.runahead import linear_tokens, partition
+    from engine.inputs import CooperativeSlice
+    from engine.model_files import read_json_object
+
+    channels: dict = {}
+    engines = [make_engine(model, "paged", **prefill) for _ in range(num_prefill)]
+    d_engine = make_engine(model, "paged")
+    roles = [PrefillRole(e, QueueWire(i, channels)) for i, e in enumerate(engines)]
+    d_rank = num_prefill
+    d_role = DecodeRole(d_engine, QueueWire(d_rank, channels), wake=lambda: None)
+    r = linear_tokens(read_json_object(model / "config.json"))
+    requests = {f"r{i}": GenerationRequest(tuple(p), params) for i, p in enumerate(prompts)}
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    for coop_id, (rid, request) in enumerate(requests.items()):
+        starts = partition(len(request.prompt_token_ids), num_prefill, r)
+        for i, start in enumerate(starts):
+            last = i == num_prefill - 1
+            end = len(request.prompt_token_ids) if last else starts[i + 1]
+            part = request if last else GenerationRequest(request.prompt_token_ids[:end],
+                                                          SamplingParams(max_new_tokens=1))
+            roles[i].apply(CooperativeSlice(
+                rid if last else f"{rid}#{i}", part, decode_rank=d_rank, coop_id=coop_id,
+                slice_start=start, prev_rank=i - 1 if i else None,
+                next_rank=None if last else i + 1), {})
+    try:
+        while any(e.has_unfinished() for e in [*engines, d_engine]):
+            for engine, role in zip(engines, roles, strict=True):
+                outputs = engine.step_outputs()
+                for h in role.after_step(outputs):
+                    d_role.apply(AddPrefilled(h.request_id, requests[h.request_id], h.token_id,
+                                              h.seed, h.num_kv_tokens, h.src), {})
+                    d_role.apply(d_role.arrivals.get(timeout=30), {})
+                tokens_of(outputs, tokens)
+            tokens_of(d_engine.step_outputs(), tokens)
+        assert not any(channels.values()) or all(q.empty() for q in channels.values())
+        for engine in [*engines, d_engine]:
+            engine.scheduler.check_integrity()
+            allocator = engine.scheduler.allocator
+            assert allocator.num_free_blocks == allocator.num_blocks, "KV leaked"
+    finally:
+        for role in roles:
+            role.close()
+        d_role.close()
+        for engine in [*engines, d_engine]:
+            engine.close()
+    return [tokens[rid] for rid in requests]
+
+
+def tokens_of(outputs, tokens: dict[str, list[int]]) -> None:
+    for out in outputs:
+        if out.token_id is not None and out.request_id in tokens:
+            tokens[out.request_id].append(out.token_id)
+
+
+@pytest.mark.parametrize("num_prefill", [2, 3])
+def test_cooperative_prefill_equals_transformers(model, hf, num_prefill) -> None:
+    prompts = prompts_for(13, lengths=(41, 23, 57, 3))  # uneven splits; one under a slice each
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    got = serve_cooperative(model, prompts, params, num_prefill, max_num_batched_tokens=8)
+    assert got == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_two_prefill_workers_share_long_prompts_over_gloo(model, hf) -> None:
+    prompts = prompts_for(17, lengths=(45, 12, 60, 20))  # two above the threshold, two below
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    got = serve_client(model, prompts, params, num_prefill_workers=2,
+                       cooperative_prefill_threshold=30)
+    assert got == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_dead_worker_fails_its_requests_and_ping_turns_503(model, role) -> None:
+    """Killed mid-request: its request ends with an error, the core says it is not alive
+    (/ping answers 503 from that), a new request is refused; nothing hangs."""
+    client = start_client(model, max_model_len=256)
+    try:
+        workers = client._loop._core._workers  # noqa: SLF001 - the processes to kill
+        victim = next(w for w in workers if w.role == role)
+        prompt = [5 + i % 250 for i in range(100)] if role == "prefill" else [5, 6, 7]
+        params = SamplingParams(max_new_tokens=140, ignore_eos=True)
+        handle = client.submit(GenerationRequest(tuple(prompt), params))
+        if role == "prefill":
+            victim.process.kill()
+        events = handle.events()
+        if role == "decode":
+            next(events)  # its first token came from the prefill worker
+            victim.process.kill()
+        ending = list(events)[-1]
+        assert ending.finish_reason == "error" and "worker" in (ending.error or "")
+        assert not client.is_alive()
+        with pytest.raises(EngineDeadError):  # the HTTP edge answers 503
+            client.submit(GenerationRequest((5, 6), params))
+    finally:
+        client.shutdown(5)

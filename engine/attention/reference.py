@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,9 @@ class AttentionMetadata:
     # the metadata of every attention group, and each layer's group.
     groups: tuple[AttentionMetadata, ...] | None = None
     layer_groups: tuple[int, ...] | None = None
+    # Cooperative prefill (engine/disagg/runahead.py): another worker's K/V arrives before each
+    # layer and this step's goes on after it. None: the pool holds all a step reads.
+    kv_exchange: LayerExchange | None = None
 
     def for_layer(self, layer: int, window: int | None) -> AttentionMetadata:
         """What layer number `layer`, attending within `window`, reads and writes."""
@@ -69,6 +72,16 @@ class AttentionMetadata:
             mine = self.groups[self.layer_groups[layer]]
         assert window == mine.window, f"layer {layer} (window {window}) read window {mine.window}"
         return mine
+
+
+class LayerExchange(Protocol):
+    """K/V that crosses to or from another process between a step's layers."""
+
+    def before_layer(self, layer: int) -> None:
+        """Before layer number `layer` runs: what it must read is in the pool when this returns."""
+
+    def after_layer(self, layer: int) -> None:
+        """Layer number `layer` has written its K/V to the pool."""
 
 
 class AttentionBackend(ABC):

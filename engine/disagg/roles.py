@@ -14,13 +14,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-from engine.inputs import AddPrefilled, PrefillRequest
+from engine.disagg.runahead import LayerStream
+from engine.inputs import AddPrefilled, CooperativeSlice, PrefillRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import Handoff
+from engine.runner.model_runner import ModelRunner
 from engine.sequence import Sequence
 from engine.text.output_processor import StepOutput
 
@@ -37,6 +39,9 @@ class Wire(Protocol):
     device: torch.device
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None: ...
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """A send under way: its result's wait() returns once it is out."""
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int,
              tag: int) -> torch.Tensor: ...
@@ -62,6 +67,9 @@ class PrefillRole:
         self._sender.start()
 
     def apply(self, message: object, deadlines: dict[str, float]) -> bool:
+        if isinstance(message, CooperativeSlice):
+            self._take_slice(message)
+            return True
         if not isinstance(message, PrefillRequest):
             return False
         self.engine.add_validated(message.request_id, message.request)
@@ -70,12 +78,22 @@ class PrefillRole:
             deadlines[message.request_id] = message.request.deadline
         return True
 
+    def _take_slice(self, message: CooperativeSlice) -> None:
+        """Queue a share of a long prompt (KV-Runahead); the last share hands on as usual, the
+        others end after their step (their KV went on to the next worker)."""
+        seq = self.engine.add_validated(message.request_id, message.request)
+        seq.cooperative = True
+        seq.num_remote_kv_tokens = message.slice_start
+        self.engine.remote_kv[seq.seq_id] = LayerStream(self.wire, message)
+        if message.next_rank is None:
+            self._targets[message.request_id] = message.decode_rank
+
     def after_step(self, outputs: list[StepOutput]) -> tuple[Handoff, ...]:
         handoffs = []
         for out in outputs:
             dst = self._targets.pop(out.request_id, None)
             if dst is None or out.finish_reason is not None or out.token_id is None:
-                continue  # ended here (EOS, length, an error): nothing goes on
+                continue  # ended here (EOS, length, an error, a passed-on slice): no more
             seq = self.engine.sequence(out.request_id)
             assert seq is not None and seq.num_computed_tokens == seq.num_prompt_tokens
             kv = self.engine.runner.export_kv(seq, seq.num_prompt_tokens).to(self.wire.device)
@@ -187,5 +205,15 @@ def admit_prefilled(engine: LLMEngine, notice: AddPrefilled,
     seq.num_computed_tokens = 0
     if kv is not None:
         seq.num_remote_kv_tokens = notice.num_kv_tokens
-        engine.remote_kv[seq.seq_id] = kv
+        engine.remote_kv[seq.seq_id] = ArrivedKV(kv)
     return seq
+
+
+class ArrivedKV:
+    """A hand-off's prompt KV, here in full (an engine's RemoteKV)."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv  # [layers, 2, tokens, Hkv, D]
+
+    def place(self, runner: ModelRunner, seq: Sequence, start: int) -> None:
+        runner.import_kv(seq, start, self.kv)

@@ -16,28 +16,36 @@ import os
 import queue
 import socket
 import threading
+from dataclasses import replace
+from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.adapters import AdapterReply
 from engine.core.engine_core import CoreMessage, CoreUpdate
 from engine.core.process import CoreFailed, CoreReady, send_message
+from engine.disagg.runahead import linear_tokens, partition
 from engine.disagg.worker import DECODE, PREFILL, WorkerArgs, worker_main
 from engine.inputs import (
     AbortRequest,
     AddAdapter,
     AddPrefilled,
     AddRequest,
+    CooperativeSlice,
     GenerationRequest,
     PrefillRequest,
     RemoveAdapter,
     RequestLimits,
     StopCore,
 )
+from engine.model_files import read_json_object
 from engine.outputs import Gauges, Handoff
+from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 from engine.text.output_processor import StepOutput
 
 logger = logging.getLogger(__name__)
+
+SLICE_PARAMS = SamplingParams(max_new_tokens=1)  # a passed-on slice's one token is dropped
 
 
 def free_port(host: str) -> int:
@@ -133,6 +141,11 @@ class DisaggregatedCore:
         self._failed: str | None = None  # why the workers no longer serve
         self._stopping = False  # StopCore sent: workers ending is no failure
         self._readers: list[threading.Thread] = []
+        # KV-Runahead: prompts of this many tokens or more are shared by the prefill workers
+        self._threshold = plan.cooperative_prefill_threshold
+        self._linear_tokens = linear_tokens(read_json_object(Path(config.model) / "config.json"))
+        self._coop_ids = 0
+        self._sharing: set[str] = set()  # shared prompts before their first token
 
     # --- start-up ---
 
@@ -224,9 +237,35 @@ class DisaggregatedCore:
                                          self._gauges()))
             return
         self._requests[rid] = request
+        sharing = [w for w in self._of(PREFILL) if w.alive]
+        long_prompt = self._threshold and len(request.prompt_token_ids) >= self._threshold
+        if len(sharing) > 1 and long_prompt:
+            self._share(rid, request, sharing, decode)
+            return
         self._where[rid] = prefill.rank
         prefill.in_flight += 1
         prefill.send(PrefillRequest(rid, request, decode_rank=decode.rank))
+
+    def _share(self, rid: str, request: GenerationRequest, workers: list[_Worker],
+               decode: _Worker) -> None:
+        """KV-Runahead: a slice of the prompt per prefill worker, the last one's the request
+        itself (the others' outputs are theirs alone: dropped here). Aborts wait for its first
+        token: each slice's step needs its neighbours' (engine/disagg/runahead.py)."""
+        prompt = request.prompt_token_ids
+        starts = partition(len(prompt), len(workers), self._linear_tokens)
+        self._coop_ids += 1
+        self._sharing.add(rid)
+        for i, (worker, start) in enumerate(zip(workers, starts, strict=True)):
+            last = i == len(workers) - 1
+            end = len(prompt) if last else starts[i + 1]
+            part = request if last else GenerationRequest(prompt[:end], SLICE_PARAMS)
+            worker.send(CooperativeSlice(
+                rid if last else f"{rid}#slice{i}", replace(part, deadline=None),
+                decode_rank=decode.rank, coop_id=self._coop_ids, slice_start=start,
+                prev_rank=workers[i - 1].rank if i else None,
+                next_rank=None if last else workers[i + 1].rank))
+        self._where[rid] = workers[-1].rank
+        workers[-1].in_flight += 1
 
     def _abort(self, message: AbortRequest) -> None:
         rid = message.request_id
@@ -234,6 +273,8 @@ class DisaggregatedCore:
         if where is None:
             return  # ended already
         self._aborted[rid] = message
+        if rid in self._sharing:
+            return  # its slices run together first (_hand_on ends it then)
         self._workers[where].send(message)
         if rid in self._coming_from:  # the decode worker may not hold it yet: end it here
             self._updates.put(CoreUpdate([self._end(rid, message)], self._gauges()))
@@ -270,6 +311,7 @@ class DisaggregatedCore:
                           reason.value, error)
 
     def _finish(self, rid: str) -> None:
+        self._sharing.discard(rid)
         self._requests.pop(rid, None)
         self._aborted.pop(rid, None)
         self._coming_from.pop(rid, None)
@@ -301,6 +343,7 @@ class DisaggregatedCore:
         if self._where.get(rid) != worker.rank:
             return False
         self._coming_from.pop(rid, None)
+        self._sharing.discard(rid)  # its first token: a hand-off follows, or its end
         if out.finish_reason is not None:
             self._finish(rid)
         return True

@@ -40,6 +40,12 @@ class KVLink:
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         dist.send(tensor.contiguous(), dst, tag=tag)
 
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        """Keep `tensor` until the result's wait() returns."""
+        work = dist.isend(tensor, dst, tag=tag)
+        assert work is not None  # a member of the group always gets one
+        return work
+
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int,
              tag: int) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self.device)

@@ -174,8 +174,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         tables = {kind: (getattr(self, f"rope_cos_{kind}")[positions].to(x.dtype).unsqueeze(1),
                          getattr(self, f"rope_sin_{kind}")[positions].to(x.dtype).unsqueeze(1))
                   for kind in {layer.kind for layer in self.layers}}  # [N, 1, R] each
-        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+        exchange = meta.kv_exchange
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
+            if exchange is not None:
+                exchange.before_layer(i)
             x = layer(x, *tables[layer.kind], meta, layer_cache[0], layer_cache[1])
+            if exchange is not None:
+                exchange.after_layer(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -263,8 +263,13 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
-        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+        exchange = meta.kv_exchange
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
+            if exchange is not None:
+                exchange.before_layer(i)
             x = layer(x, cos, sin, meta, layer_cache[0], layer_cache[1])
+            if exchange is not None:
+                exchange.after_layer(i)
         return self.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from engine.attention.reference import (
     AttentionBackend,
     AttentionMetadata,
+    LayerExchange,
     ReferenceAttention,
     page_size_for,
 )
@@ -109,6 +110,7 @@ class ModelRunner:
         # LoRA: the wrapped layers' slots, and (rank 0) the registry naming the adapters
         self.lora: LoraRuntime | None = None
         self.adapters: AdapterRegistry | None = None
+        self.exchange: LayerExchange | None = None  # the next step's (use_exchange)
 
     def use_padded_decode(self, padded: PaddedDecode | None) -> None:
         """Run the steps that fit `padded`'s buckets through it (whole-step CUDA graphs where
@@ -132,6 +134,11 @@ class ModelRunner:
         """Rows of sequences with a LoRA adapter add its update (engine/lora/); `adapters`:
         rank 0's registry (worker ranks read what the plan loads from its folder)."""
         self.lora, self.adapters = lora, adapters
+
+    def use_exchange(self, exchange: LayerExchange | None) -> None:
+        """The next step trades K/V with another worker between its layers (cooperative
+        prefill, engine/disagg/runahead.py): it runs eagerly, and `exchange` ends with it."""
+        self.exchange = exchange
 
     def use_peers(self, peers: PlanSender | None) -> None:
         """Send each step's plan to these tensor-parallel ranks first; None: this rank alone."""
@@ -188,8 +195,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan, sampling: list[Sequence] | None) -> SampledRows | None:
         """Run a packed step; `sampling` holds the sequences of plan.sampled (None on a
         tensor-parallel worker rank, which computes its share and samples nothing)."""
-        padded = self._padded(plan)
-        piecewise = (not padded and self.piecewise is not None
+        exchange, self.exchange = self.exchange, None
+        padded = exchange is None and self._padded(plan)
+        piecewise = (not padded and exchange is None and self.piecewise is not None
                      and self.piecewise.fits(len(plan.ids))
                      and len(plan.sample_rows) <= self.piecewise.max_sampled)
         views, meta, sampler_plan = self._stage(plan, sampling, describe=not padded)
@@ -207,6 +215,8 @@ class ModelRunner:
             logits = self.piecewise_logits(views, meta)
             self.last_step_graph = self.piecewise.replayed
         else:
+            if exchange is not None:
+                meta = replace(meta, kv_exchange=exchange)
             logits = self.eager_logits(views, meta, plan.sampled)
             self.last_step_graph = False
         self.phases.mark("forward")  # [S, vocab] float32, or None: the step only wrote KV

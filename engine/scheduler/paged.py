@@ -151,6 +151,11 @@ class PagedBatching(Scheduler):
             seq = self.waiting[0]
             if not self._adapter_fits(seq):
                 break
+            if seq.cooperative:
+                if not self._admit_prefilled(seq, picked):
+                    break
+                budget -= picked[seq]  # the whole slice in one step, past the budget
+                continue
             self.allocator.match_prefix(seq)
             if seq.num_remote_kv_tokens > seq.num_computed_tokens:
                 if not self._admit_prefilled(seq, picked):
@@ -173,10 +178,11 @@ class PagedBatching(Scheduler):
         return budget
 
     def _admit_prefilled(self, seq: Sequence, picked: dict[Sequence, int]) -> bool:
-        """A sequence whose prompt KV another worker computed (disaggregated decode): blocks for
-        its prompt and first output token, the prompt counted as computed from
-        `kv_import_start` on (the runner writes it there before the step); only the first
-        output token is computed now. False (nothing taken) when the blocks are not free."""
+        """A sequence whose leading KV other workers compute (engine/disagg/): blocks for all
+        its tokens, those counted as computed from `kv_import_start` on (the runner places
+        them before the step); the rest is computed now, in one step: a decode's first output
+        token, or a cooperative prompt slice. False (nothing taken) when the blocks are not
+        free."""
         if seq.num_uncomputed_tokens > self._free_slots(seq):
             self.allocator.free(seq)  # give back the prefix blocks it just shared
             seq.num_computed_tokens = 0
@@ -187,7 +193,7 @@ class PagedBatching(Scheduler):
         seq.num_computed_tokens = seq.num_remote_kv_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        picked[seq] = 1
+        picked[seq] = seq.num_uncomputed_tokens
         return True
 
     def _recompute(self, seq: Sequence) -> None:

@@ -10,7 +10,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine import MAX_LORA_RANKS, QUANTIZATIONS, QUANTIZE_ALIASES
+from engine import (
+    KV_BUFFER_DEVICES,
+    KV_CONNECTORS,
+    MAX_LORA_RANKS,
+    QUANTIZATIONS,
+    QUANTIZE_ALIASES,
+    Disaggregation,
+)
 from handler.config.lmi_options import (
     BUILTIN_ENTRY_POINTS,
     INPUT_FORMATTERS,
@@ -21,6 +28,8 @@ from handler.config.lmi_options import (
 )
 from handler.config.reader import Reader
 from handler.cpu_priority import MAX_NICE
+
+PAGED_VALUES = frozenset({"vllm", "lmi-dist", "paged"})  # option.rolling_batch's paged names
 
 if TYPE_CHECKING:  # the table imports this module, never the other way round
     from handler.config.keys import Key
@@ -220,7 +229,82 @@ def speculative_config(r: Reader, key: Key) -> dict[str, Any] | None:
     return out
 
 
+# Disaggregated prefill and decode (engine/disagg/): vLLM's --kv-transfer-config JSON.
+_KV_FIELDS = {"kv_connector", "kv_role", "kv_ip", "kv_port", "kv_buffer_device",
+              # vLLM's, for instances a proxy pairs; one container places its workers itself
+              "kv_rank", "kv_parallel_size", "kv_buffer_size", "engine_id",
+              "kv_connector_extra_config"}
+
+
+def kv_transfer_config(r: Reader, key: Key) -> dict[str, Any] | None:
+    """vLLM's JSON → the engine's Disaggregation fields (the worker counts are keys of
+    their own): the connector, kv_role kv_both, where the workers meet, where KV is staged."""
+    value = r.raw(key.name)
+    if not value:
+        return None
+    try:
+        spec = json.loads(value)
+    except ValueError:
+        spec = None
+    if not isinstance(spec, dict):
+        r.fail(key.name, "a JSON object such as {\"kv_connector\": "
+               "\"TorchDistributedConnector\", \"kv_role\": \"kv_both\"}")
+    unknown = sorted(set(spec) - _KV_FIELDS)
+    if unknown:
+        r.refuse(key.name, f"unknown field {unknown[0]!r} (known: {', '.join(sorted(_KV_FIELDS))})")
+    if spec.get("kv_connector") not in KV_CONNECTORS:
+        r.refuse(key.name, f"kv_connector must be one of {', '.join(KV_CONNECTORS)} (KV blocks "
+                 "over torch.distributed point to point: gloo, or NCCL between GPUs)")
+    if spec.get("kv_role", "kv_both") != "kv_both":
+        r.refuse(key.name, "kv_role must be kv_both: this container runs its prefill and decode "
+                 "workers itself (option.num_prefill_workers, option.num_decode_workers)")
+    port, ip = spec.get("kv_port", 0), spec.get("kv_ip", "127.0.0.1")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
+        r.fail(key.name, "kv_port as a TCP port (0: a free one)")
+    if not isinstance(ip, str) or not ip:
+        r.fail(key.name, "kv_ip as a host name or address")
+    device = spec.get("kv_buffer_device", "auto")
+    if device not in KV_BUFFER_DEVICES:
+        r.fail(key.name, f"kv_buffer_device one of {', '.join(KV_BUFFER_DEVICES)}")
+    return {"kv_connector": spec["kv_connector"], "kv_ip": ip, "kv_port": port,
+            "kv_buffer_device": device}
+
+
+def disaggregation(values: Mapping[str, Any]) -> Disaggregation | None:
+    """The engine's plan of workers, when option.kv_transfer_config asks for one."""
+    transfer = values["option.kv_transfer_config"]
+    if transfer is None:
+        return None
+    threshold = values["option.cooperative_prefill_threshold"]
+    return Disaggregation(num_prefill_workers=values["option.num_prefill_workers"],
+                          num_decode_workers=values["option.num_decode_workers"],
+                          cooperative_prefill_threshold=threshold or None, **transfer)
+
+
 # Rules that span keys: run once every key is read, with every resolved value by key name.
+
+def disaggregation_fits(r: Reader, values: Mapping[str, Any]) -> None:
+    """Worker keys need option.kv_transfer_config; disaggregated workers are paged, whole-model
+    (no tensor parallelism), adapter-free, behind one HTTP process."""
+    if values["option.kv_transfer_config"] is None:
+        for name in ("option.num_prefill_workers", "option.num_decode_workers",
+                     "option.cooperative_prefill_threshold"):
+            if r.raw(name) is not None:
+                r.refuse(name, "it takes effect with disaggregated serving: set "
+                         "option.kv_transfer_config too (serving.properties.d/"
+                         "disaggregated.properties)")
+        return
+    name = "option.kv_transfer_config"
+    if values["option.rolling_batch"] not in PAGED_VALUES | {"auto"}:
+        r.refuse(name, "disaggregated workers batch paged: set option.rolling_batch=paged")
+    for ok, why, fix in (
+            (values["option.tensor_parallel_degree"] == 1, "tensor parallelism (each worker "
+             "runs the whole model)", "option.tensor_parallel_degree=1"),
+            (not values["option.enable_lora"], "LoRA adapters", "option.enable_lora=false"),
+            (values["option.api_server_count"] == 1, "several HTTP processes",
+             "option.api_server_count=1")):
+        if not ok:
+            r.refuse(name, f"disaggregated workers do not serve {why} yet; set {fix}")
 
 def one_batching(r: Reader, values: Mapping[str, Any]) -> None:
     """Dynamic batching (batch_size > 1) and rolling batching exclude each other."""

@@ -24,7 +24,7 @@ from handler.config.reader import Reader
 Read = Callable[[Reader, "Key"], Any]
 Check = Callable[[Reader, Mapping[str, Any]], None]
 
-PAGED_VALUES = frozenset({"vllm", "lmi-dist", "paged"})
+PAGED_VALUES = custom.PAGED_VALUES
 ROLLING_VALUES = frozenset({"disable", "auto", "scheduler"}) | PAGED_VALUES
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -122,6 +122,12 @@ KEYS: tuple[Key, ...] = (
     Key("option.speculative_disable_batch_size", ("engine.speculative_disable_batch_size",),
         None, integer()),
     Key("option.speculative_config", (), None, custom.speculative_config),
+    # disaggregated prefill and decode (engine/disagg/): vLLM's kv_transfer_config turns it on
+    Key("option.kv_transfer_config", (), None, custom.kv_transfer_config,
+        check=custom.disaggregation_fits),
+    Key("option.num_prefill_workers", (), 1, integer()),
+    Key("option.num_decode_workers", (), 1, integer()),
+    Key("option.cooperative_prefill_threshold", (), 2048, integer(0)),
     # paged batching and the KV pool
     Key("option.block_size", ("engine.block_size",), 16, integer(), logged=PAGED),
     Key("option.enable_chunked_prefill", ("engine.enable_chunked_prefill",), True, flag,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import NATIVE_ARCHITECTURES, EngineConfig
+from handler.config import key_reads as custom
 from handler.config.key_policy import POLICY_KEYS, apply_key_policy
 from handler.config.keys import BY_NAME, KEYS, PAGED_VALUES, read_keys, values_of
 from handler.config.lmi_options import LmiOptions
@@ -96,6 +97,7 @@ def build_serving_config(settings: Mapping[str, Setting], model_dir: Path,
         strategy, engine["max_num_seqs"])
     engine.update(values["option.speculative_draft_model"] or {})  # LMI's key, then vLLM's
     engine.update(values["option.speculative_config"] or {})  # JSON over it
+    engine["disaggregation"] = custom.disaggregation(values)
     if engine["enable_lora"]:  # LMI's layout: <model dir>/adapters/<name>/, each by its name
         engine["lora_modules"] = _with_folder_adapters(engine["lora_modules"], model_dir)
     try:

@@ -1,0 +1,102 @@
+"""KV-Runahead: one long prompt prefilled by several workers at once.
+
+The prompt is cut into contiguous slices, one per prefill worker, later slices shorter since
+their tokens attend to more. Worker i computes its slice in one step; before each layer it
+receives that layer's K/V of every earlier position from worker i - 1 (which computed it one
+layer ahead), and after the layer it passes the layer's K/V of every position so far on to
+worker i + 1. The workers thus run their slices concurrently, a layer apart, and the last one
+samples the first token and hands the whole prompt's KV to a decode worker as usual.
+
+The partition balances each slice's work: a token costs `r` units of the layers' matrix
+products plus one unit per earlier position it attends to, so positions 0..q-1 cost
+C(q) = r q + q^2 / 2, and slice i ends where C reaches (i + 1) / k of C(n). `r` comes from the
+model's shapes (linear_tokens); bench goodput --runahead measures what it buys."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from engine.inputs import CooperativeSlice
+from engine.runner.kv_transfer import layer_slots
+from engine.runner.model_runner import ModelRunner
+from engine.sequence import Sequence
+
+FIRST_TAG = 2  # tags below are the hand-offs'
+MAX_TAGS = 1 << 30
+
+
+def linear_tokens(config: dict[str, Any]) -> float:
+    """r: a token's matrix-product FLOPs in units of attending to one position (4 * the query
+    width per layer), from a Hugging Face config.json."""
+    text = config.get("text_config", config)
+    hidden = text["hidden_size"]
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or hidden // heads
+    kv_heads = text.get("num_key_value_heads") or heads
+    inter = text.get("intermediate_size") or 4 * hidden
+    q, kv = heads * head_dim, kv_heads * head_dim
+    linear = 2 * hidden * (q + 2 * kv) + 2 * q * hidden + 6 * hidden * inter  # per layer
+    return linear / (4 * q)
+
+
+def partition(num_tokens: int, num_workers: int, r: float) -> list[int]:
+    """Where each slice starts (the first at 0): equal shares of C(q) = r q + q^2 / 2, each
+    slice at least one token."""
+    total = r * num_tokens + num_tokens ** 2 / 2
+    starts = [0]
+    for i in range(1, num_workers):
+        target = total * i / num_workers
+        q = round(-r + math.sqrt(r * r + 2 * target))  # C(q) = target
+        starts.append(min(max(q, starts[-1] + 1), num_tokens - (num_workers - i)))
+    return starts
+
+
+class LayerStream:
+    """A cooperative slice's leading K/V, arriving during its step (an engine's RemoteKV)."""
+
+    def __init__(self, wire, slice_: CooperativeSlice) -> None:
+        self.wire = wire
+        self.slice = slice_
+
+    def place(self, runner: ModelRunner, seq: Sequence, start: int) -> None:
+        runner.use_exchange(RunaheadExchange(runner, self.wire, seq, start, self.slice))
+
+
+class RunaheadExchange:
+    """One cooperative step's trade with the neighbouring workers, layer by layer (a
+    LayerExchange): receive positions start..slice_start-1, send 0..len(prompt)-1."""
+
+    def __init__(self, runner: ModelRunner, wire, seq: Sequence, start: int,
+                 slice_: CooperativeSlice) -> None:
+        self.runner, self.wire, self.slice = runner, wire, slice_
+        self.start = start
+        self.tag = FIRST_TAG + slice_.coop_id % MAX_TAGS
+        layout, device = runner.layout, runner.kv_cache.device
+        self.tables = [layout.group_tables[g] for g in layout.layer_groups]
+        self.recv_slots = layer_slots(seq, layout, runner.block_size, start,
+                                      slice_.slice_start, device)
+        end = len(slice_.request.prompt_token_ids)
+        self.send_slots = layer_slots(seq, layout, runner.block_size, 0, end, device)
+        self.sends: list = []
+
+    def before_layer(self, layer: int) -> None:
+        prev = self.slice.prev_rank
+        if prev is None:
+            return
+        cache = self.runner.layer_caches[layer]  # [2, slots, Hkv, D]
+        shape = (2, self.slice.slice_start, cache.shape[2], cache.shape[3])
+        kv = self.wire.recv(shape, cache.dtype, prev, self.tag)  # positions 0..slice_start-1
+        slots = self.recv_slots[self.tables[layer]]
+        cache[:, slots] = kv[:, self.start:].to(cache.device)
+
+    def after_layer(self, layer: int) -> None:
+        nxt = self.slice.next_rank
+        if nxt is not None:
+            cache = self.runner.layer_caches[layer]
+            kv = cache[:, self.send_slots[self.tables[layer]]].to(self.wire.device)
+            self.sends.append((self.wire.isend(kv, nxt, self.tag), kv))
+        if layer == len(self.tables) - 1:  # the step is done only once its K/V is out
+            for work, _ in self.sends:
+                work.wait()
+            self.sends.clear()
