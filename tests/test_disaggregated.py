@@ -311,3 +311,31 @@ def test_a_dead_worker_fails_its_requests_and_ping_turns_503(model, role) -> Non
             client.submit(GenerationRequest((5, 6), params))
     finally:
         client.shutdown(5)
+
+
+def test_the_shipped_properties_file_serves_over_http(model, hf, tmp_path) -> None:
+    """serving.properties.d/disaggregated.properties behind the real server: streamed and
+    whole answers are transformers' greedy tokens, /ping is 200 once every worker is ready."""
+    import json
+    from pathlib import Path
+
+    import requests
+    from transformers import AutoTokenizer
+
+    from tests.server_harness import running_server
+
+    shipped = Path(__file__).resolve().parent.parent / "serving.properties.d"
+    properties = (shipped / "disaggregated.properties").read_text() + (
+        "\noption.max_model_len=96\noption.dtype=fp32\noption.device=cpu\n")
+    prompt = AutoTokenizer.from_pretrained(model).encode("Once upon a time")
+    want = hf_greedy(hf, prompt, 10)
+    body = {"inputs": "Once upon a time",
+            "parameters": {"max_new_tokens": 10, "min_new_tokens": 10, "details": True}}
+    with running_server(tmp_path, model, properties) as srv:
+        streamed = requests.post(f"{srv.url}/invocations", json={**body, "stream": True},
+                                 timeout=60)
+        whole = requests.post(f"{srv.url}/invocations", json=body, timeout=60).json()
+        assert requests.get(f"{srv.url}/ping", timeout=5).status_code == 200
+        assert "1 prefill and 1 decode workers ready" in srv.log()
+    assert [json.loads(line)["token"]["id"] for line in streamed.text.splitlines()] == want
+    assert [t["id"] for t in whole["details"]["tokens"]] == want

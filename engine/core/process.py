@@ -42,11 +42,16 @@ class CoreReady:
     gauges: Gauges
     adapters: AdapterList = ()  # registered now (lora_modules, or calls of other fronts)
     lora_enabled: bool = False
+    # its model trades K/V between layers (cooperative prefill, engine/disagg/runahead.py);
+    # LongRoPE models do not share prompts (slices would rotate differently)
+    shares_prompts: bool = False
 
     @classmethod
     def of(cls, engine: LLMEngine) -> CoreReady:
+        shares = (getattr(engine.runner.model, "exchanges_kv", False)
+                  and engine.scheduler.long_rope_after is None)
         return cls(engine.limits, engine.gauges(), adapter_list(engine),
-                   engine.config.enable_lora)
+                   engine.config.enable_lora, shares)
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,9 @@ def admit_prefilled(engine: LLMEngine, notice: AddPrefilled,
     seq.num_computed_tokens = seq.num_tokens  # the token was sampled after the whole prompt
     seq.append_token(notice.token_id)
     seq.num_computed_tokens = 0
+    after = engine.scheduler.long_rope_after
+    if after is not None and notice.num_kv_tokens <= after < seq.num_tokens:
+        kv = None  # rotated short, needed long (LongRoPE): recomputed here, as colocated
     if kv is not None:
         seq.num_remote_kv_tokens = notice.num_kv_tokens
         engine.remote_kv[seq.seq_id] = ArrivedKV(kv)

@@ -166,6 +166,11 @@ class DisaggregatedCore:
         self.limits = RequestLimits(
             min(r.limits.max_model_len for r in readies),
             min(r.limits.max_seq_tokens for r in readies), readies[0].limits.vocab_size)
+        if self._threshold and len(self._of(PREFILL)) > 1 and not all(
+                r.shares_prompts for r in readies):
+            logger.warning("cooperative prefill is off: this model does not trade K/V between "
+                           "layers (the transformers fallback, or LongRoPE)")
+            self._threshold = None
         self.initial_gauges = merge_gauges([r.gauges for r in readies])
         self.initial_adapters: tuple = ()
         self.lora_enabled = False

@@ -169,6 +169,9 @@ class LlamaForCausalLM(nn.Module):
     Sharded over tensor-parallel ranks when given a Shard and its Collectives: `spec` is then
     this rank's part (its heads), `full_spec` the checkpoint's."""
 
+    # forward() calls a step's LayerExchange between layers (cooperative prefill)
+    exchanges_kv = True
+
     rope_cos: torch.Tensor  # buffers (init_rope), declared for the type checker
     rope_sin: torch.Tensor
     quantization: str | None = None  # what a pre-quantized checkpoint holds (the loader sets it)
