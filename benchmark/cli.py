@@ -8,7 +8,17 @@ import sys
 from pathlib import Path
 
 from benchmark import commands as cmd
-from benchmark import constrained, kv_groups, load_memory, lora, model_impl, quant, soak, spec
+from benchmark import (
+    constrained,
+    kv_groups,
+    load_memory,
+    lora,
+    model_impl,
+    quant,
+    runahead,
+    soak,
+    spec,
+)
 from benchmark.commands import DEFAULT_PEERS, PEERS, RESULTS, ROOT
 from benchmark.options import add_load_options
 from benchmark.peers import DEFAULT_VLLM_VENV
@@ -113,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     quant.add_parser(sub)
     spec.add_parser(sub)
     soak.add_parser(sub)
+    runahead.add_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -121,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 "random-model": cmd.random_model, "load-memory": load_memory.run,
                 "grammar-masks": constrained.grammar_masks, "constrained": constrained.constrained,
                 "model-impl": model_impl.run, "kv-groups": kv_groups.run,
-                "lora": lora.run, "quant": quant.run, "spec": spec.run, "soak": soak.run}
+                "lora": lora.run, "quant": quant.run, "spec": spec.run, "soak": soak.run,
+                "runahead": runahead.run}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message

@@ -53,6 +53,8 @@
 # bytes, decode tok/s at batch 1 and 32, req/s; which layer types ran), bounded at 240 s.
 # CHECKS=spec: issue #54's `bench spec` of the first preset (random weights: acceptance is low,
 # so it measures what verification costs), bounded at 240 s. Both: alone in a call (~4-5 min).
+# CHECKS=disagg: issue #55's `bench runahead` of the first preset (TTFT of one 4,000-token
+# prompt: colocated, one prefill worker, two sharing it), bounded at 240 s.
 # CHECKS=kernels: issue #51's attention kernels against the hardware floor: `bench profile` of
 # the first preset with --attention-backend triton and then flex, KERNEL_PROMPTS="200 1000"
 # tokens, decode at KERNEL_BATCHES=8,32 (and a prompt admitted beside them), graphs on; one
@@ -158,7 +160,8 @@ want tests && step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider ${P
     "tests/test_triton_ops.py::test_compiled_ops_pass_their_check_on_cuda" \
     "tests/test_lora.py::test_lora_on_cuda_with_graphs_gives_peft_tokens" \
     "tests/test_triton_wq.py" \
-    "tests/test_quant_checkpoints.py::test_cuda_fast_paths_pass_their_check_and_serve_the_emulated_tokens"
+    "tests/test_quant_checkpoints.py::test_cuda_fast_paths_pass_their_check_and_serve_the_emulated_tokens" \
+    "tests/test_disaggregated.py::test_cuda_workers_give_transformers_greedy_tokens"
 want tests && grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/log.txt" | tail -1 \
     >> "$OUT/summary.txt"
 
@@ -328,6 +331,14 @@ for r in json.load(open(sys.argv[1]))["runs"]:
           f"{r['output_tokens_per_s']} tok/s, {r['ms_per_token_mean']} ms/token, "
           f"acceptance {r.get('acceptance_rate')}")
 EOF
+fi
+if want disagg; then  # #55: TTFT of one 4,000-token prompt, colocated and 1 / 2 prefill workers
+    random_model "$first"  # (workers split the one card by processes, KV staged through the host)
+    rm -rf /tmp/gpu-check-disagg
+    step disagg 240 "$PY" -m handler.cli bench runahead --model-dir "$model" --device "$DEVICE" \
+        --dtype "$dtype" --prompt-tokens "${RUNAHEAD_TOKENS:-4000}" --out /tmp/gpu-check-disagg
+    cp /tmp/gpu-check-disagg/runahead.json "$OUT/runahead.json" 2> /dev/null
+    cat /tmp/gpu-check-disagg/runahead.md >> "$OUT/summary.txt" 2> /dev/null
 fi
 if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV budget for all
     random_model "$first"

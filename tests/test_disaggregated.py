@@ -339,3 +339,24 @@ def test_the_shipped_properties_file_serves_over_http(model, hf, tmp_path) -> No
         assert "1 prefill and 1 decode workers ready" in srv.log()
     assert [json.loads(line)["token"]["id"] for line in streamed.text.splitlines()] == want
     assert [t["id"] for t in whole["details"]["tokens"]] == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_workers_give_transformers_greedy_tokens(model, hf) -> None:
+    """On a GPU (one card: workers share it, the KV staged through host memory; two or more:
+    NCCL between cards), handed off and shared prompts decode as transformers does."""
+    from engine import Disaggregation, EngineClient, EngineConfig
+
+    prompts = prompts_for(23, lengths=(45, 12, 60, 20))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    config = EngineConfig(model=str(model), batching="paged", max_num_seqs=4, dtype="float32",
+                          device="cuda", max_model_len=96, disaggregation=Disaggregation(
+                              num_prefill_workers=2, cooperative_prefill_threshold=30))
+    client = EngineClient.from_config(config, 100)
+    client.start()
+    try:
+        handles = [client.submit(GenerationRequest(tuple(p), params)) for p in prompts]
+        got = [[e.token_id for e in h.events() if e.token_id is not None] for h in handles]
+    finally:
+        client.shutdown(5)
+    assert got == [hf_greedy(hf, p, 8) for p in prompts]
