@@ -75,14 +75,14 @@ def serve_split(model, prompts, params, prefill: dict, decode: dict) -> list[lis
     d_role = DecodeRole(d_engine, QueueWire(1, channels), wake=lambda: None)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     requests = {f"r{i}": GenerationRequest(tuple(p), params) for i, p in enumerate(prompts)}
-    for rid, request in requests.items():
-        p_role.apply(PrefillRequest(rid, request, decode_rank=1), {})
+    arriving = list(requests.items())  # one every other step: later ones find cached blocks
     try:
-        for _ in range(2000):
-            if not (p_engine.has_unfinished() or d_engine.has_unfinished()
-                    or len(d_role.take_arrivals()) > 0) and all(
-                    len(t) == params.max_new_tokens for t in tokens.values()):
-                break
+        for step in range(2000):
+            if arriving and step % 2 == 0:
+                rid, request = arriving.pop(0)
+                p_role.apply(PrefillRequest(rid, request, decode_rank=1), {})
+            if not (arriving or p_engine.has_unfinished() or d_engine.has_unfinished()):
+                break  # (hand-offs arrive within the iteration that makes them)
             outputs = p_engine.step_outputs()
             for handoff in p_role.after_step(outputs):
                 d_role.apply(AddPrefilled(handoff.request_id, requests[handoff.request_id],
@@ -97,6 +97,10 @@ def serve_split(model, prompts, params, prefill: dict, decode: dict) -> list[lis
         for engine in (p_engine, d_engine):
             allocator = engine.scheduler.allocator
             assert allocator.num_free_blocks == allocator.num_blocks, "KV leaked"
+        serve_split.counts = {  # type: ignore[attr-defined]
+            "decode_preemptions": d_engine.scheduler.num_preemptions,
+            "prefill_hits": p_engine.scheduler.allocator.prefix_hits,
+            "decode_hits": d_engine.scheduler.allocator.prefix_hits}
     finally:
         p_role.close()
         d_role.close()
@@ -121,6 +125,11 @@ def test_greedy_output_equals_transformers(model, hf, case) -> None:
     prefill, decode = CASES[case]
     got = serve_split(model, prompts, params, prefill, decode)
     assert got == [hf_greedy(hf, p, 12) for p in prompts]
+    counts = serve_split.counts  # type: ignore[attr-defined]
+    if case == "decode-preempts":
+        assert counts["decode_preemptions"] > 0
+    if case == "prefix-caching-both-sides":
+        assert counts["prefill_hits"] > 0 and counts["decode_hits"] > 0
 
 
 def test_sampled_output_follows_the_seed_across_the_hand_off(model) -> None:
@@ -360,3 +369,13 @@ def test_cuda_workers_give_transformers_greedy_tokens(model, hf) -> None:
     finally:
         client.shutdown(5)
     assert got == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_grammars_and_penalties_follow_the_first_token_across(model) -> None:
+    """The decode side's grammar state and penalties start from the prefill side's token."""
+    from engine import GuidedSpec
+
+    prompts = prompts_for(29)[:3]
+    params = SamplingParams(max_new_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
+                            guided=GuidedSpec("regex", "[a-z]+( [a-z]+)*"))
+    assert serve_split(model, prompts, params, {}, {}) == serve_whole(model, prompts, params)

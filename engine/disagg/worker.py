@@ -76,13 +76,18 @@ class _WorkerPipes(_Pipes):
         return messages
 
 
-def worker_device(config: EngineConfig, rank: int, world_size: int) -> torch.device:
-    """Where this worker computes: GPU number rank (modulo the cards there are) on CUDA."""
+def worker_device(config: EngineConfig, rank: int, world_size: int
+                  ) -> tuple[torch.device, EngineConfig]:
+    """Where this worker computes: GPU number rank (modulo the cards there are) on CUDA, its
+    share of gpu_memory_utilization divided among the workers on that card."""
     if config.device == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    gpu = rank % torch.cuda.device_count()
+        return torch.device("cpu"), replace(config, device="cpu")
+    cards = torch.cuda.device_count()
+    gpu = rank % cards
     torch.cuda.set_device(gpu)
-    return torch.device("cuda", gpu)
+    sharing = len(range(gpu, world_size, cards))
+    return torch.device("cuda", gpu), replace(
+        config, device="cuda", gpu_memory_utilization=config.gpu_memory_utilization / sharing)
 
 
 def buffer_device(config: EngineConfig, device: torch.device, world_size: int) -> torch.device:
@@ -108,7 +113,7 @@ def worker_main(args: WorkerArgs, inbox: Connection, outbox: Connection) -> None
     if args.role == PREFILL:  # it hands each prompt on after one token: nothing to overlap
         config = replace(config, async_scheduling=False, speculative_method=None,
                          speculative_model=None)
-    device = worker_device(config, args.rank, args.world_size)
+    device, config = worker_device(config, args.rank, args.world_size)
     assert config.disaggregation is not None  # the router starts workers for it only
     from engine.llm_engine import LLMEngine
 
@@ -116,7 +121,7 @@ def worker_main(args: WorkerArgs, inbox: Connection, outbox: Connection) -> None
         link = KVLink(args.rank, args.world_size, args.kv_host, args.kv_port,
                       buffer_device(config, device, args.world_size),
                       config.disaggregation.transfer_timeout_s)
-        engine = LLMEngine.from_config(replace(config, device=device.type))
+        engine = LLMEngine.from_config(config)
     except Exception as err:
         pipes.publish(CoreFailed.of(err))
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 from jinja2 import TemplateError
@@ -68,6 +69,9 @@ class EngineClient:
             core.terminate()
             raise
         client = cls.__new__(cls)
+        if config.disaggregation is not None:  # every decode worker runs max_num_seqs
+            config = replace(config, max_num_seqs=config.max_num_seqs
+                             * config.disaggregation.num_decode_workers)
         # A Core once ready: receive() then yields CoreUpdates only (CoreReady came first).
         client._init(cast(Core, core), tokenizer, core.limits, config, max_queued, on_step,
                      adapters=core.initial_adapters, lora_enabled=core.lora_enabled)
