@@ -10,6 +10,7 @@ from pathlib import Path
 from benchmark import commands as cmd
 from benchmark import (
     constrained,
+    goodput,
     kv_groups,
     load_memory,
     lora,
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     quant.add_parser(sub)
     spec.add_parser(sub)
     soak.add_parser(sub)
+    goodput.add_parser(sub)
     runahead.add_parser(sub)
 
     args = parser.parse_args(argv)
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 "grammar-masks": constrained.grammar_masks, "constrained": constrained.constrained,
                 "model-impl": model_impl.run, "kv-groups": kv_groups.run,
                 "lora": lora.run, "quant": quant.run, "spec": spec.run, "soak": soak.run,
-                "runahead": runahead.run}
+                "goodput": goodput.run, "runahead": runahead.run}
     try:
         return commands[args.command](args)
     except ValueError as err:  # a bad option value, named by the message
