@@ -49,5 +49,13 @@ __all__ = [
     "GenerationRequest", "GuidedSpec", "LLMEngine", "ModelFileError", "QueueFullError",
     "RequestError", "RequestHandle", "SamplingParams", "StepStats", "TokenEvent",
     "UnknownAdapter", "check_spec",
-    "freeze_start_up_heap", "is_config_error", "read_json_object",
+    "freeze_start_up_heap", "is_config_error", "read_json_object", "serve_remote_worker",
 ]
+
+
+def serve_remote_worker(router: tuple[str, int], key: bytes, model_dir: str | None) -> None:
+    """Serve as a disaggregated worker of the router at `router` (another host's `batchyard
+    serve`), proving `key`; returns when the router goes (engine/disagg/worker.py)."""
+    from engine.disagg.worker import serve_remote  # torch: only a worker's process needs it
+
+    serve_remote(router, key, model_dir)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BATCHING_STRATEGIES = ("none", "dynamic", "continuous", "paged")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -57,6 +57,13 @@ class Disaggregation:
     kv_buffer_device: str = "auto"
     cooperative_prefill_threshold: int | None = 2048
     transfer_timeout_s: float = 60.0
+    # Workers on other hosts (`batchyard worker --router HOST:worker_port`, proving
+    # worker_key): the last remote_prefill_workers of the prefill workers and the last
+    # remote_decode_workers of the decode workers join from there.
+    remote_prefill_workers: int = 0
+    remote_decode_workers: int = 0
+    worker_port: int = 0
+    worker_key: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         _check(self.num_prefill_workers >= 1, "num_prefill_workers", self.num_prefill_workers,
@@ -73,6 +80,18 @@ class Disaggregation:
                self.cooperative_prefill_threshold, "None or an integer >= 2")
         _check(self.transfer_timeout_s > 0, "transfer_timeout_s", self.transfer_timeout_s,
                "> 0 seconds")
+        _check(0 <= self.remote_prefill_workers < self.num_prefill_workers,
+               "remote_prefill_workers", self.remote_prefill_workers,
+               f"0..{self.num_prefill_workers - 1} (the first prefill worker runs here: it hosts "
+               "the store the workers meet at)")
+        _check(0 <= self.remote_decode_workers <= self.num_decode_workers,
+               "remote_decode_workers", self.remote_decode_workers,
+               f"0..num_decode_workers ({self.num_decode_workers})")
+        remote = self.remote_prefill_workers + self.remote_decode_workers
+        _check(not remote or 0 < self.worker_port < 65536, "worker_port", self.worker_port,
+               "the TCP port remote workers reach the router at")
+        _check(not remote or bool(self.worker_key), "worker_key", "(hidden)",
+               "a shared secret when workers join from other hosts")
 
     @property
     def num_workers(self) -> int:

@@ -47,8 +47,33 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="default: $SAGEMAKER_BIND_TO_PORT or 8080")
     sub.add_parser("build-default-model", help="convert the embedded default model once")
     sub.add_parser("bench", help="load generator (see `batchyard bench --help`)")
+    worker = sub.add_parser("worker", help="a disaggregated prefill or decode worker for the "
+                            "router of another host's `batchyard serve`")
+    worker.add_argument("--router", required=True, help="HOST:PORT (its worker_port)")
+    worker.add_argument("--model-dir", type=Path, help="this host's copy of the model "
+                        "(default: the router's path)")
     args = parser.parse_args(argv)
+    if args.command == "worker":
+        return run_worker(args)
     return run_serve(args)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Join a router as the rank it assigns; the secret comes from $BATCHYARD_WORKER_KEY."""
+    from engine import serve_remote_worker
+    from handler.config.key_reads import WORKER_KEY_ENV
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, _, port = args.router.rpartition(":")
+    key = os.environ.get(WORKER_KEY_ENV, "")
+    if not host or not port.isdigit() or not key:
+        print(f"batchyard worker: --router HOST:PORT and ${WORKER_KEY_ENV} are needed",
+              file=sys.stderr)
+        return 2
+    model = str(args.model_dir) if args.model_dir is not None else None
+    serve_remote_worker((host, int(port)), key.encode(), model)
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -379,3 +379,55 @@ def test_grammars_and_penalties_follow_the_first_token_across(model) -> None:
     params = SamplingParams(max_new_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
                             guided=GuidedSpec("regex", "[a-z]+( [a-z]+)*"))
     assert serve_split(model, prompts, params, {}, {}) == serve_whole(model, prompts, params)
+
+
+def test_a_worker_from_another_host_joins_over_tcp(model, hf, tmp_path) -> None:
+    """`batchyard worker --router HOST:PORT` (here on loopback) takes the decode rank the
+    router gives it; a wrong key is refused and the router waits for the right one."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from benchmark.servers import free_port
+    from engine import Disaggregation, EngineClient, EngineConfig
+
+    port = free_port()
+    config = EngineConfig(model=str(model), batching="paged", max_num_seqs=4, dtype="float32",
+                          device="cpu", max_model_len=96, disaggregation=Disaggregation(
+                              remote_decode_workers=1, worker_port=port, worker_key=b"s3cret"))
+    env = {**os.environ, "BATCHYARD_WORKER_KEY": "s3cret"}
+
+    def intruder_then_worker() -> subprocess.Popen:
+        while True:  # until the router listens
+            try:
+                Client(("127.0.0.1", port), authkey=b"wrong")
+            except AuthenticationError:
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+        worker[0] = subprocess.Popen(
+            [sys.executable, "-m", "handler.cli", "worker", "--router", f"127.0.0.1:{port}",
+             "--model-dir", str(model)], env=env, stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "worker.log", "w"))
+
+    worker: list = [None]
+    joiner = threading.Thread(target=intruder_then_worker, daemon=True)
+    joiner.start()
+    client = EngineClient.from_config(config, 100)
+    client.start()
+    try:
+        prompts = prompts_for(31)[:3]
+        params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        handles = [client.submit(GenerationRequest(tuple(p), params)) for p in prompts]
+        got = [[e.token_id for e in h.events() if e.token_id is not None] for h in handles]
+    finally:
+        client.shutdown(5)
+        joiner.join(5)
+        if worker[0] is not None:
+            worker[0].wait(10)
+    assert got == [hf_greedy(hf, p, 8) for p in prompts]
+    assert worker[0].returncode == 0, (tmp_path / "worker.log").read_text()[-2000:]

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.process
 import os
 import queue
 import socket
 import threading
 from dataclasses import replace
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import Disaggregation, EngineConfig
 from engine.core.adapters import AdapterReply
 from engine.core.engine_core import CoreMessage, CoreUpdate
 from engine.core.process import CoreFailed, CoreReady, send_message
@@ -69,6 +72,16 @@ def share_cores(num_workers: int) -> list[tuple[int, ...]]:
     return shares
 
 
+def remote_ranks(plan: Disaggregation | None) -> set[int]:
+    """The ranks that join from other hosts: the last of each side's."""
+    if plan is None:
+        return set()
+    prefill = range(plan.num_prefill_workers - plan.remote_prefill_workers,
+                    plan.num_prefill_workers)
+    decode = range(plan.num_workers - plan.remote_decode_workers, plan.num_workers)
+    return {*prefill, *decode}
+
+
 def merge_gauges(gauges: list[Gauges]) -> Gauges:
     """The workers' gauges as one engine's: counts and blocks summed."""
     first = gauges[0]
@@ -85,21 +98,38 @@ def merge_gauges(gauges: list[Gauges]) -> Gauges:
 
 
 class _Worker:
-    """One worker process and the router's ends of its pipes."""
+    """One worker and the router's ends of its pipes: a process of this host, or a connection
+    from another host's `batchyard worker` (process None)."""
 
-    def __init__(self, context, args: WorkerArgs) -> None:
-        self.rank, self.role = args.rank, args.role
-        inbox_end, self.inbox = context.Pipe(duplex=False)
-        self.updates, outbox_end = context.Pipe(duplex=False)
-        self.process = context.Process(target=worker_main, args=(args, inbox_end, outbox_end),
-                                       name=f"{args.role}-worker-{args.rank}", daemon=True)
-        self.process.start()
-        inbox_end.close()  # only the child holds these now: its death reads as EOF here
-        outbox_end.close()
+    def __init__(self, rank: int, role: str, inbox: Connection, updates: Connection,
+                 process: multiprocessing.process.BaseProcess | None = None) -> None:
+        self.rank, self.role = rank, role
+        self.inbox, self.updates, self.process = inbox, updates, process
         self.send_lock = threading.Lock()
         self.in_flight = 0  # requests it holds (a load-balancing hint)
         self.gauges: Gauges | None = None
         self.alive = True
+
+    @classmethod
+    def spawn(cls, context, args: WorkerArgs) -> _Worker:
+        inbox_end, inbox = context.Pipe(duplex=False)
+        updates, outbox_end = context.Pipe(duplex=False)
+        process = context.Process(target=worker_main, args=(args, inbox_end, outbox_end),
+                                  name=f"{args.role}-worker-{args.rank}", daemon=True)
+        process.start()
+        inbox_end.close()  # only the child holds these now: its death reads as EOF here
+        outbox_end.close()
+        return cls(args.rank, args.role, inbox, updates, process)
+
+    def stop(self, timeout: float) -> None:
+        """After its last word: wait for its process (terminated past `timeout`)."""
+        if self.process is None:
+            self.inbox.close()
+            return
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2)
 
     def send(self, message: object) -> None:
         with self.send_lock:
@@ -124,13 +154,20 @@ class DisaggregatedCore:
         self.config = config
         context = multiprocessing.get_context("spawn")
         port = plan.kv_port or free_port(plan.kv_ip)
-        cores = share_cores(plan.num_workers) if config.device != "cuda" else []
         level = logging.getLogger().getEffectiveLevel()
         roles = [PREFILL] * plan.num_prefill_workers + [DECODE] * plan.num_decode_workers
-        self._workers = [
-            _Worker(context, WorkerArgs(config, role, rank, plan.num_workers, plan.kv_ip, port,
-                                        cores[rank] if cores else (), level))
-            for rank, role in enumerate(roles)]
+        self._args = [WorkerArgs(config, role, rank, plan.num_workers, plan.kv_ip, port, (),
+                                 level) for rank, role in enumerate(roles)]
+        remote = remote_ranks(plan)
+        local = [args for args in self._args if args.rank not in remote]
+        if config.device != "cuda":  # this host's cores, shared out among its workers
+            local = [replace(args, cores=cores)
+                     for args, cores in zip(local, share_cores(len(local)), strict=True)]
+        self._listener = (Listener(("0.0.0.0", plan.worker_port), authkey=plan.worker_key)
+                          if remote else None)
+        self._workers: list[_Worker | None] = [None] * plan.num_workers
+        for args in local:
+            self._workers[args.rank] = _Worker.spawn(context, args)
         self._updates: queue.SimpleQueue[CoreUpdate | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._requests: dict[str, GenerationRequest] = {}  # unfinished, by id
@@ -150,9 +187,11 @@ class DisaggregatedCore:
     # --- start-up ---
 
     def wait_ready(self) -> None:
-        """Block until every worker has loaded its model; raises if one could not."""
+        """Block until every worker (remote ones too) has loaded its model; raises if one
+        could not."""
+        self._accept_remote()
         readies = []
-        for worker in self._workers:
+        for worker in self.workers:
             first = worker.receive()
             if not isinstance(first, CoreReady):
                 self.terminate()
@@ -177,8 +216,31 @@ class DisaggregatedCore:
         logger.info("disaggregated serving: %d prefill and %d decode workers ready",
                     len(self._of(PREFILL)), len(self._of(DECODE)))
 
+    def _accept_remote(self) -> None:
+        """Workers of other hosts, in rank order as they connect (a wrong key is logged and
+        refused; the router waits for the right ones)."""
+        if self._listener is None:
+            return
+        for rank in sorted(remote_ranks(self.config.disaggregation)):
+            args = self._args[rank]
+            logger.info("waiting for remote %s worker %d at port %d", args.role, rank,
+                        self._listener.address[1])
+            while True:
+                try:
+                    conn = self._listener.accept()
+                    break
+                except (AuthenticationError, OSError) as err:
+                    logger.warning("a worker failed to join: %s", err)
+            send_message(conn, args)
+            self._workers[rank] = _Worker(rank, args.role, conn, conn)
+        self._listener.close()
+
+    @property
+    def workers(self) -> list[_Worker]:
+        return [w for w in self._workers if w is not None]
+
     def start(self) -> None:
-        for worker in self._workers:
+        for worker in self.workers:
             thread = threading.Thread(target=self._read, args=(worker,), daemon=True,
                                       name=f"router-{worker.role}-{worker.rank}")
             thread.start()
@@ -198,7 +260,7 @@ class DisaggregatedCore:
                     "LoRA adapters are not served with disaggregated prefill/decode"),)))
             elif isinstance(message, StopCore):
                 self._stopping = True
-                for worker in self._workers:
+                for worker in self.workers:
                     worker.send(message)
 
     def receive(self) -> CoreUpdate | None:
@@ -211,23 +273,20 @@ class DisaggregatedCore:
         return self._failed is None and self._ended == 0
 
     def join(self, timeout: float) -> bool:
-        for worker in self._workers:
-            worker.process.join(timeout)
-            if worker.process.is_alive():
-                worker.process.terminate()
-                worker.process.join(2)
+        for worker in self.workers:
+            worker.stop(timeout)
         return True
 
     def terminate(self) -> None:
-        for worker in self._workers:
-            if worker.process.is_alive():
-                worker.process.terminate()
-                worker.process.join(2)
+        if self._listener is not None:
+            self._listener.close()
+        for worker in self.workers:
+            worker.stop(0)
 
     # --- routing (under the lock) ---
 
     def _of(self, role: str) -> list[_Worker]:
-        return [w for w in self._workers if w.role == role]
+        return [w for w in self.workers if w.role == role]
 
     def _least_busy(self, role: str) -> _Worker | None:
         live = [w for w in self._of(role) if w.alive]
@@ -280,7 +339,7 @@ class DisaggregatedCore:
         self._aborted[rid] = message
         if rid in self._sharing:
             return  # its slices run together first (_hand_on ends it then)
-        self._workers[where].send(message)
+        self.workers[where].send(message)
         if rid in self._coming_from:  # the decode worker may not hold it yet: end it here
             self._updates.put(CoreUpdate([self._end(rid, message)], self._gauges()))
 
@@ -289,7 +348,7 @@ class DisaggregatedCore:
         aborted meanwhile (its KV is on the wire: the decode worker reads and drops it)."""
         rid = handoff.request_id
         request = self._requests.get(rid)
-        source, target = self._workers[handoff.src], self._workers[handoff.dst]
+        source, target = self.workers[handoff.src], self.workers[handoff.dst]
         source.in_flight -= 1
         if request is None:
             return None
@@ -322,10 +381,10 @@ class DisaggregatedCore:
         self._coming_from.pop(rid, None)
         where = self._where.pop(rid, None)
         if where is not None:
-            self._workers[where].in_flight -= 1
+            self.workers[where].in_flight -= 1
 
     def _gauges(self) -> Gauges:
-        return merge_gauges([w.gauges for w in self._workers if w.gauges is not None])
+        return merge_gauges([w.gauges for w in self.workers if w.gauges is not None])
 
     # --- each worker's updates ---
 
@@ -368,10 +427,10 @@ class DisaggregatedCore:
             for rid in doomed:
                 w = self._where.get(rid)
                 if w is not None and w != worker.rank:
-                    self._workers[w].send(AbortRequest(rid, FinishReason.ERROR))
+                    self.workers[w].send(AbortRequest(rid, FinishReason.ERROR))
             outputs = [self._ending(rid, self._requests[rid], FinishReason.ERROR, self._failed)
                        for rid in doomed]
-            last = self._ended == len(self._workers)
+            last = self._ended == len(self.workers)
         self._updates.put(CoreUpdate(outputs, self._gauges()))
         if last:
             self._updates.put(None)

@@ -12,7 +12,7 @@ import multiprocessing
 import os
 import signal
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 
 import torch
 
@@ -100,11 +100,26 @@ def buffer_device(config: EngineConfig, device: torch.device, world_size: int) -
     return device if choice == "cuda" and device.type == "cuda" else torch.device("cpu")
 
 
-def worker_main(args: WorkerArgs, inbox: Connection, outbox: Connection) -> None:
+def serve_remote(router: tuple[str, int], key: bytes, model_dir: str | None) -> None:
+    """A worker on another host (`batchyard worker`): join the router at `router`, take the
+    rank and configuration it gives, load the model from `model_dir` (default: the router's
+    path) and serve until the router goes."""
+    conn = Client(router, authkey=key)  # duplex: messages in, updates out
+    args: WorkerArgs = conn.recv()
+    if model_dir is not None:
+        args = replace(args, config=replace(args.config, model=model_dir))
+    logger.info("joined the router at %s:%d as %s worker %d", *router, args.role, args.rank)
+    worker_main(args, conn, conn, stoppable=True)
+
+
+def worker_main(args: WorkerArgs, inbox: Connection, outbox: Connection,
+                stoppable: bool = False) -> None:
+    """`stoppable`: signals stop it (a remote worker's own process); else the router does."""
     logging.basicConfig(level=args.log_level, format=(
         f"%(asctime)s %(levelname)s {args.role}-worker-{args.rank} %(name)s: %(message)s"))
-    for signum in (signal.SIGINT, signal.SIGTERM):  # the router stops us
-        signal.signal(signum, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if not stoppable:
+            signal.signal(signum, signal.SIG_IGN)
     if args.cores:
         os.sched_setaffinity(0, args.cores)
         torch.set_num_threads(len(args.cores))

@@ -6,6 +6,7 @@ every failure is one line naming the key, the value, its source and what is allo
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -267,7 +268,35 @@ def kv_transfer_config(r: Reader, key: Key) -> dict[str, Any] | None:
     if device not in KV_BUFFER_DEVICES:
         r.fail(key.name, f"kv_buffer_device one of {', '.join(KV_BUFFER_DEVICES)}")
     return {"kv_connector": spec["kv_connector"], "kv_ip": ip, "kv_port": port,
-            "kv_buffer_device": device}
+            "kv_buffer_device": device, **_remote_workers(r, key, spec)}
+
+
+_REMOTE_FIELDS = ("remote_prefill_workers", "remote_decode_workers", "worker_port")
+WORKER_KEY_ENV = "BATCHYARD_WORKER_KEY"  # the secret remote workers prove (batchyard worker)
+
+
+def _remote_workers(r: Reader, key: Key, spec: dict[str, Any]) -> dict[str, Any]:
+    """kv_connector_extra_config: workers joining from other hosts, and the router's port."""
+    extra = spec.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        r.fail(key.name, "kv_connector_extra_config as a JSON object")
+    unknown = sorted(set(extra) - set(_REMOTE_FIELDS))
+    if unknown:
+        r.refuse(key.name, f"unknown kv_connector_extra_config field {unknown[0]!r} (known: "
+                 f"{', '.join(_REMOTE_FIELDS)})")
+    out: dict[str, Any] = {}
+    for name in _REMOTE_FIELDS:
+        value = extra.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 65536:
+            r.fail(key.name, f"{name} as an integer >= 0")
+        out[name] = value
+    if out["remote_prefill_workers"] or out["remote_decode_workers"]:
+        secret = os.environ.get(WORKER_KEY_ENV, "")
+        if not secret or not out["worker_port"]:
+            r.refuse(key.name, f"workers on other hosts need worker_port (where they reach the "
+                     f"router) and the secret they prove in {WORKER_KEY_ENV}")
+        out["worker_key"] = secret.encode()
+    return out
 
 
 def disaggregation(values: Mapping[str, Any]) -> Disaggregation | None:
