@@ -28,16 +28,24 @@ def add_parser(sub) -> None:
                    help="prefill worker counts, comma-separated (default 1,2)")
     p.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the colocated paged engine on every core")
+    p.add_argument("--even-split", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time shared prompts cut into equal slices (the partition rule "
+                   "against no rule)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", type=Path, help="write runahead.json and runahead.md here")
 
 
-def _config(args: argparse.Namespace, model_dir: Path, prefill_workers: int | None):
+EVEN = 1e12  # the partition's r when attention costs nothing: equal slices
+
+
+def _config(args: argparse.Namespace, model_dir: Path, prefill_workers: int | None,
+            r: float | None = None):
     from engine import Disaggregation, EngineConfig
 
     plan = None if prefill_workers is None else Disaggregation(
-        num_prefill_workers=prefill_workers, cooperative_prefill_threshold=2)
+        num_prefill_workers=prefill_workers, cooperative_prefill_threshold=2,
+        partition_linear_tokens=r)
     return EngineConfig(model=str(model_dir), batching="paged", max_num_seqs=4,
                         dtype=args.dtype, device=args.device,
                         max_model_len=args.prompt_tokens + 8, disaggregation=plan)
@@ -81,12 +89,16 @@ def run(args: argparse.Namespace) -> int:
                for _ in range(args.repeats + 1)]
     r = linear_tokens(read_json_object(model_dir / "config.json"))
     rows: dict[str, dict] = {}
-    runs = [("colocated paged", None)] if args.colocated else []
-    runs += [(f"{n} prefill worker{'s' if n > 1 else ''} + 1 decode", n) for n in counts]
-    for name, workers in runs:
+    runs: list[tuple[str, int | None, float]] = [("colocated paged", None, r)] \
+        if args.colocated else []
+    runs += [(f"{n} prefill worker{'s' if n > 1 else ''} + 1 decode", n, r) for n in counts]
+    if args.even_split:
+        runs += [(f"{n} prefill workers + 1 decode, equal slices", n, EVEN)
+                 for n in counts if n > 1]
+    for name, workers, split in runs:
         logger.info("%s: %d prompts of %d tokens", name, args.repeats, args.prompt_tokens)
-        times = _ttfts(_config(args, model_dir, workers), prompts)
-        starts = partition(args.prompt_tokens, workers or 1, r)
+        times = _ttfts(_config(args, model_dir, workers, split), prompts)
+        starts = partition(args.prompt_tokens, workers or 1, split)
         slices = [b - a for a, b in zip(starts, [*starts[1:], args.prompt_tokens], strict=True)]
         rows[name] = {"prefill_workers": workers, "ttft_s": times,
                       "ttft_median_s": statistics.median(times), "slices": slices}

@@ -57,6 +57,9 @@ class Disaggregation:
     kv_buffer_device: str = "auto"
     cooperative_prefill_threshold: int | None = 2048
     transfer_timeout_s: float = 60.0
+    # The partition's r (engine/disagg/runahead.py); None: from the model's shapes. A huge
+    # value splits evenly (bench runahead compares).
+    partition_linear_tokens: float | None = None
     # Workers on other hosts (`batchyard worker --router HOST:worker_port`, proving
     # worker_key): the last remote_prefill_workers of the prefill workers and the last
     # remote_decode_workers of the decode workers join from there.

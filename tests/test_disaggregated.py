@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import random
+import time
 
 import pytest
 import torch
@@ -182,7 +183,8 @@ def test_a_lost_transfer_recomputes_the_prompt_after_the_same_first_token(model,
     assert [tokens[f"r{i}"] for i in range(2)] == [hf_greedy(hf, p, 8) for p in prompts]
 
 
-# --- worker processes behind the router, the KV over gloo ---
+# --- worker processes behind the router, the KV over gloo (1 + 1: the HTTP and remote-worker
+# tests below) ---
 
 def start_client(model, max_model_len: int = 96, **disagg):
     from engine import Disaggregation, EngineClient, EngineConfig
@@ -202,13 +204,6 @@ def serve_client(model, prompts, params, **disagg):
         return [[e.token_id for e in h.events() if e.token_id is not None] for h in handles]
     finally:
         client.shutdown(5)
-
-
-def test_workers_over_gloo_serve_transformers_greedy_tokens(model, hf) -> None:
-    prompts = prompts_for(11)
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    got = serve_client(model, prompts, params)
-    assert got == [hf_greedy(hf, p, 10) for p in prompts]
 
 
 # --- KV-Runahead: one prompt shared by several prefill workers ---
@@ -289,32 +284,51 @@ def test_cooperative_prefill_equals_transformers(model, hf, num_prefill) -> None
 
 
 def test_two_prefill_workers_share_long_prompts_over_gloo(model, hf) -> None:
+    """Shared and handed-off prompts decode as transformers does; requests aborted before,
+    during and after the hand-off all end, and every worker's KV is free afterwards."""
     prompts = prompts_for(17, lengths=(45, 12, 60, 20))  # two above the threshold, two below
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    got = serve_client(model, prompts, params, num_prefill_workers=2,
-                       cooperative_prefill_threshold=30)
+    client = start_client(model, max_model_len=160, num_prefill_workers=2,
+                          cooperative_prefill_threshold=30)
+    try:
+        handles = [client.submit(GenerationRequest(tuple(p), params)) for p in prompts]
+        got = [[e.token_id for e in h.events() if e.token_id is not None] for h in handles]
+        long = SamplingParams(max_new_tokens=90, ignore_eos=True)
+        at_once = [client.submit(GenerationRequest(tuple(p), long)) for p in prompts]
+        for handle in at_once:  # shared ones before their first token
+            handle.abort()
+        later = [client.submit(GenerationRequest(tuple(p), long)) for p in prompts]
+        for handle in later:
+            next(handle.events())  # the first token: on its way to, or at, the decode worker
+            handle.abort()
+        endings = [list(h.events())[-1].finish_reason for h in at_once + later]
+        deadline = time.monotonic() + 10
+        while client.gauges().kv_blocks_used and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.gauges().kv_blocks_used == 0 and client.is_alive()
+    finally:
+        client.shutdown(5)
     assert got == [hf_greedy(hf, p, 8) for p in prompts]
+    assert set(endings) <= {"abort", "length"}
 
 
-@pytest.mark.parametrize("role", ["decode", "prefill"])
-def test_a_dead_worker_fails_its_requests_and_ping_turns_503(model, role) -> None:
-    """Killed mid-request: its request ends with an error, the core says it is not alive
-    (/ping answers 503 from that), a new request is refused; nothing hangs."""
+def test_a_dead_worker_fails_its_requests_and_ping_turns_503(model) -> None:
+    """A decode worker killed mid-request: its request ends with an error, so does one still
+    at the prefill worker bound for it, the core says it is not alive (/ping answers 503 from
+    that), a new request is refused; nothing hangs."""
     client = start_client(model, max_model_len=256)
     try:
         workers = client._loop._core._workers  # noqa: SLF001 - the processes to kill
-        victim = next(w for w in workers if w.role == role)
-        prompt = [5 + i % 250 for i in range(100)] if role == "prefill" else [5, 6, 7]
+        victim = next(w for w in workers if w.role == "decode")
         params = SamplingParams(max_new_tokens=140, ignore_eos=True)
-        handle = client.submit(GenerationRequest(tuple(prompt), params))
-        if role == "prefill":
-            victim.process.kill()
-        events = handle.events()
-        if role == "decode":
-            next(events)  # its first token came from the prefill worker
-            victim.process.kill()
-        ending = list(events)[-1]
-        assert ending.finish_reason == "error" and "worker" in (ending.error or "")
+        decoding = client.submit(GenerationRequest((5, 6, 7), params))
+        events = decoding.events()
+        next(events)  # its first token came from the prefill worker
+        prefilling = client.submit(GenerationRequest(tuple(range(5, 105)), params))
+        victim.process.kill()
+        for handle in (decoding, prefilling):
+            ending = list(handle.events())[-1]
+            assert ending.finish_reason == "error" and "worker" in (ending.error or "")
         assert not client.is_alive()
         with pytest.raises(EngineDeadError):  # the HTTP edge answers 503
             client.submit(GenerationRequest((5, 6), params))
@@ -431,3 +445,17 @@ def test_a_worker_from_another_host_joins_over_tcp(model, hf, tmp_path) -> None:
             worker[0].wait(10)
     assert got == [hf_greedy(hf, p, 8) for p in prompts]
     assert worker[0].returncode == 0, (tmp_path / "worker.log").read_text()[-2000:]
+
+
+def test_bench_runahead_reports_ttft_and_the_slices(model, tmp_path) -> None:
+    import json
+
+    from benchmark.cli import main
+
+    out = tmp_path / "runahead"
+    assert main(["runahead", "--model-dir", str(model), "--prompt-tokens", "60", "--repeats",
+                 "1", "--workers", "2", "--no-colocated", "--no-even-split", "--out",
+                 str(out)]) == 0
+    (row,) = json.loads((out / "runahead.json").read_text())["rows"].values()
+    assert row["prefill_workers"] == 2 and sum(row["slices"]) == 60 and row["ttft_s"][0] > 0
+    assert "2 prefill workers + 1 decode" in (out / "runahead.md").read_text()

@@ -180,7 +180,8 @@ class DisaggregatedCore:
         self._readers: list[threading.Thread] = []
         # KV-Runahead: prompts of this many tokens or more are shared by the prefill workers
         self._threshold = plan.cooperative_prefill_threshold
-        self._linear_tokens = linear_tokens(read_json_object(Path(config.model) / "config.json"))
+        self._linear_tokens = plan.partition_linear_tokens or linear_tokens(
+            read_json_object(Path(config.model) / "config.json"))
         self._coop_ids = 0
         self._sharing: set[str] = set()  # shared prompts before their first token
 
