@@ -67,7 +67,9 @@ def add_parser(sub) -> None:
                    help="synthetic prompt lengths: N, uniform:LO:HI or normal:MEAN:STD")
     p.add_argument("--output-tokens", default="uniform:16:128", metavar="DIST",
                    help="synthetic output lengths")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmark" / "results" / "goodput")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmark" / "results" / "sweep" / "goodput",
+                   help="default: goodput/ in the sweep's results folder, where `bench plot` "
+                   "and the notebook find it")
 
 
 def default_files(root: Path) -> list[Path]:

@@ -18,10 +18,17 @@ RUN_HEAD = ["configuration", "rate (req/s)", "requests (errors)", "SLO attainmen
             "TPOT met", "TTFT p50 / p90 (ms)", "TPOT p50 / p90 (ms)", "request goodput (req/s)"]
 
 
+def find_goodput(out_dir: Path) -> Path | None:
+    """The folder holding a `bench goodput` run: `out_dir` itself, or its goodput/ (where
+    `bench goodput` writes by default, inside the sweep's results folder); None if neither."""
+    return next((d for d in (out_dir, out_dir / "goodput") if (d / GOODPUT_FILE).is_file()),
+                None)
+
+
 def load_goodput(out_dir: Path) -> dict | None:
-    """A folder's goodput.json, or None when it has none."""
-    path = out_dir / GOODPUT_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    """The goodput.json `find_goodput` finds, or None."""
+    folder = find_goodput(out_dir)
+    return json.loads((folder / GOODPUT_FILE).read_text()) if folder else None
 
 
 def _pct(share: float | None) -> str:
@@ -108,6 +115,11 @@ def attainment_figure(results: dict) -> Any:
                     marker="o", markersize=14, fillstyle="none", color=color)
     ax.axhline(target, color="0.4", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
+    rates = sorted({r["rate"] for c in results["configurations"].values()
+                    for r in c.get("runs", [])})
+    if rates:  # the measured rates as plain numbers, not powers of two
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.minorticks_off()
     ax.set_ylim(-0.03, 1.05)
     ax.set_xlabel("request rate (req/s, Poisson arrivals, log scale)")
     ax.set_ylabel("SLO attainment (share of requests)")

@@ -17,6 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from benchmark.goodput_report import GOODPUT_FILE
 from benchmark.tables import (
     error_line,
     is_peer,
@@ -213,15 +214,33 @@ def save_figures(results: dict[str, dict], out_dir: Path, baseline: str = "dynam
 
 
 def plot_main(out_dir: Path, baseline: str = "dynamic") -> int:
-    """`batchyard bench plot`: figures next to the results, the table on stdout."""
+    """`batchyard bench plot`: figures next to the results, the table on stdout. A `bench
+    goodput` run there (goodput.json, or goodput/goodput.json) adds its attainment curve, its
+    tables, and a goodput column to the sweep's table; a goodput folder alone is enough."""
+    from benchmark.goodput_report import (
+        caption,
+        find_goodput,
+        goodput_by_name,
+        report_text,
+        save_attainment,
+    )
+
+    goodput_dir = find_goodput(out_dir)
+    goodput = json.loads((goodput_dir / GOODPUT_FILE).read_text()) if goodput_dir else None
+    if goodput is not None and goodput_dir is not None:
+        logger.info("wrote %s", save_attainment(goodput, goodput_dir))
+        print(f"{caption(goodput)}\n\n{report_text(goodput)}\n")
     try:
         results = load_results(out_dir)
     except (FileNotFoundError, json.JSONDecodeError) as err:
+        if goodput is not None and isinstance(err, FileNotFoundError):
+            return 0
         logger.error("%s", err)
         return 2
     for path in save_figures(results, out_dir, baseline):
         logger.info("wrote %s", path)
-    print(results_table(results))
+    print(results_table(results, goodput_by_name(goodput) if goodput else None,
+                        caption(goodput) if goodput else ""))
     print()
     print(summary(results, baseline))
     return 0

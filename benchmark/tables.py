@@ -86,11 +86,14 @@ def _ms(value: float | None) -> str:
     return _fmt(value, ".1f" if value is not None and value < 0.01 else ".0f", 1000)
 
 
-def results_table(results: dict[str, dict]) -> str:
-    """A markdown table, one row per entry; failed rows say why; peers' notes follow it."""
+def results_table(results: dict[str, dict], goodput: dict[str, str] | None = None,
+                  goodput_note: str = "") -> str:
+    """A markdown table, one row per entry; failed rows say why; peers' notes follow it.
+    `goodput` ({name: goodput in words}, from a `bench goodput` run) adds a last column; it is a
+    separate open-loop run under SLOs, so `goodput_note` should say which."""
     head = ["name", "req/s", "output tok/s", "TTFT p50 (s)", "ITL p50 / p99 (ms)",
             "e2e p50 / p99 (s)", "mean batch", "KV holds: workload / max-len seqs",
-            "requests (errors)"]
+            "requests (errors)"] + (["goodput under SLOs"] if goodput is not None else [])
     rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     notes = []
     for name, r in results.items():
@@ -106,9 +109,15 @@ def results_table(results: dict[str, dict]) -> str:
                 " / ".join(_seconds(percentile(r, "e2e", p)) for p in ("p50", "p99")),
                 _fmt(server.get("mean_batch_size"), ".1f"),
                 _holds(r), f"{r.get('num_requests', '?')} ({r.get('num_errors', 0)})"]
+        if goodput is not None:
+            cells = cells[:len(head) - 1] + [goodput.get(name, "–")]
         rows.append("| " + " | ".join(cells) + " |")
         if is_peer(r) and r.get("note"):
             notes.append(f"- **{name}**: {r['note']}")
+    if goodput is not None:
+        rows += [f"| {name} | (not in this sweep) |" + " |" * (len(head) - 3) + f" {value} |"
+                 for name, value in goodput.items() if name not in results]
+        notes.append(f"- **goodput under SLOs**: {goodput_note or 'from goodput.json'}")
     if on_gpu(results):
         rows.append(published_row(len(head)))
         notes.append(f"- **{VLLM_PUBLISHED['name']}**: published, not measured here: "

@@ -163,3 +163,23 @@ def test_the_command_measures_two_rates_and_writes_json_markdown_and_plot(tmp_pa
     assert (out / GOODPUT_PNG).read_bytes()[:4] == b"\x89PNG"
     assert "| paged | >= 8 req/s" in capsys.readouterr().out
     assert time.monotonic() - started < 40
+
+
+def test_bench_plot_draws_a_goodput_folder_and_adds_the_sweep_column(tmp_path, capsys) -> None:
+    from benchmark.report import plot_main
+    from tests.test_notebook import load_result
+
+    folder = tmp_path / "sweep"
+    (folder / "goodput").mkdir(parents=True)
+    (folder / "goodput" / "goodput.json").write_text(json.dumps(saved_results()))
+    assert plot_main(folder / "goodput") == 0  # a goodput folder alone
+    assert (folder / "goodput" / GOODPUT_PNG).read_bytes()[:4] == b"\x89PNG"
+    assert "| paged | 1 req/s |" in capsys.readouterr().out
+    (folder / "sweep.json").write_text(json.dumps({"paged": load_result(2.0),
+                                                   "dynamic": load_result(1.0)}))
+    assert plot_main(folder) == 0  # the sweep's folder: goodput/ is found, a column added
+    printed = capsys.readouterr().out
+    assert "| requests (errors) | goodput under SLOs |" in printed
+    assert "| 6 (0) | 1 req/s |" in printed and "| 6 (0) | – |" in printed  # dynamic: none
+    assert "| broken | (not in this sweep) |" in printed
+    assert "- **goodput under SLOs**: `bench goodput`: SLOs TTFT <= 1000 ms" in printed
