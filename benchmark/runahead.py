@@ -75,7 +75,7 @@ def _ttfts(config, prompts: list[list[int]]) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.disagg.runahead import linear_tokens, partition
+    from engine.disagg.partition import linear_tokens, partition
     from engine.model_files import read_json_object
     from handler.model_source.default_model import ensure_default_model
 

@@ -53,9 +53,11 @@ __all__ = [
 ]
 
 
-def serve_remote_worker(router: tuple[str, int], key: bytes, model_dir: str | None) -> None:
+def serve_remote_worker(router: tuple[str, int], key: bytes, model_dir: str | None,
+                        gpu: int = 0) -> None:
     """Serve as a disaggregated worker of the router at `router` (another host's `batchyard
-    serve`), proving `key`; returns when the router goes (engine/disagg/worker.py)."""
+    serve`), proving `key`, on GPU number `gpu` (CUDA); returns when the router goes
+    (engine/disagg/worker.py)."""
     from engine.disagg.worker import serve_remote  # torch: only a worker's process needs it
 
-    serve_remote(router, key, model_dir)
+    serve_remote(router, key, model_dir, gpu)

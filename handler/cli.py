@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--router", required=True, help="HOST:PORT (its worker_port)")
     worker.add_argument("--model-dir", type=Path, help="this host's copy of the model "
                         "(default: the router's path)")
+    worker.add_argument("--gpu", type=int, default=0, help="which of this host's GPUs (on CUDA)")
     args = parser.parse_args(argv)
     if args.command == "worker":
         return run_worker(args)
@@ -72,7 +73,7 @@ def run_worker(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     model = str(args.model_dir) if args.model_dir is not None else None
-    serve_remote_worker((host, int(port)), key.encode(), model)
+    serve_remote_worker((host, int(port)), key.encode(), model, args.gpu)
     return 0
 
 

@@ -209,7 +209,7 @@ def serve_client(model, prompts, params, **disagg):
 # --- KV-Runahead: one prompt shared by several prefill workers ---
 
 def test_the_partition_balances_attention_and_covers_the_prompt() -> None:
-    from engine.disagg.runahead import partition
+    from engine.disagg.partition import partition
 
     starts = partition(4000, 2, 3000.0)
     assert starts[0] == 0 and 2000 < starts[1] < 2400  # the later slice attends to more
@@ -221,7 +221,7 @@ def test_the_partition_balances_attention_and_covers_the_prompt() -> None:
 def serve_cooperative(model, prompts, params, num_prefill: int, **prefill) -> list[list[int]]:
     """Each prompt split across `num_prefill` prefill engines (stepped one after the other:
     the in-process wire holds what a layer sends until the next one reads it)."""
-    from engine.disagg.runahead import linear_tokens, partition
+    from engine.disagg.partition import linear_tokens, partition
     from engine.inputs import CooperativeSlice
     from engine.model_files import read_json_object
 
@@ -275,12 +275,30 @@ def tokens_of(outputs, tokens: dict[str, list[int]]) -> None:
             tokens[out.request_id].append(out.token_id)
 
 
-@pytest.mark.parametrize("num_prefill", [2, 3])
-def test_cooperative_prefill_equals_transformers(model, hf, num_prefill) -> None:
-    prompts = prompts_for(13, lengths=(41, 23, 57, 3))  # uneven splits; one under a slice each
+@pytest.mark.parametrize(("num_prefill", "budget"), [(2, 8), (3, 8), (2, 512)])
+def test_cooperative_prefill_equals_transformers(model, hf, num_prefill, budget) -> None:
+    """Uneven splits, a prompt shorter than a slice each; a budget that would admit several
+    shared prompts in one step admits one (each step trades through one exchange)."""
+    prompts = prompts_for(13, lengths=(41, 23, 57, 3))
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    got = serve_cooperative(model, prompts, params, num_prefill, max_num_batched_tokens=8)
+    got = serve_cooperative(model, prompts, params, num_prefill, max_num_batched_tokens=budget)
     assert got == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_a_sliding_window_model_places_only_what_its_window_sees(tmp_path) -> None:
+    """Mistral's window (12 tokens, blocks of 4), prefix caching on both sides: the decode
+    side takes no blocks for the positions a window has slid past (their exported K/V is
+    scratch) and so never caches them; prompts sharing a prefix decode as transformers does."""
+    path = build_tiny_model(tmp_path / "mistral", arch="mistral")
+    mistral = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    shared = [7 + i for i in range(16)]
+    prompts = [shared + [100 + i for i in range(20)], shared + [150 + i for i in range(10)],
+               shared + [200 + i for i in range(6)]]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    caching = {"enable_prefix_caching": True, "block_size": 4}
+    got = serve_split(path, prompts, params, caching, caching)
+    assert got == [hf_greedy(mistral, p, 8) for p in prompts]
+    assert serve_split.counts["prefill_hits"] > 0  # type: ignore[attr-defined]
 
 
 def test_two_prefill_workers_share_long_prompts_over_gloo(model, hf) -> None:
@@ -459,3 +477,76 @@ def test_bench_runahead_reports_ttft_and_the_slices(model, tmp_path) -> None:
     (row,) = json.loads((out / "runahead.json").read_text())["rows"].values()
     assert row["prefill_workers"] == 2 and sum(row["slices"]) == 60 and row["ttft_s"][0] > 0
     assert "2 prefill workers + 1 decode" in (out / "runahead.md").read_text()
+
+
+def test_a_worker_that_cannot_load_stops_the_start_with_its_reason(model) -> None:
+    """The first worker to fail ends the start (its one-line configuration error), whatever
+    the others are waiting for."""
+    with pytest.raises(ValueError, match="invalid max_model_len"):
+        start_client(model, max_model_len=100_000)
+
+
+def test_the_router_leaves_torch_to_the_workers() -> None:
+    """The serving process imports no torch for disaggregated serving (only its workers do):
+    it stays light, and no torch threads meet its interpreter's exit."""
+    import subprocess
+    import sys
+
+    code = "import sys, engine.disagg.router; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+TRANSFER = 'option.kv_transfer_config={"kv_connector": "TorchDistributedConnector"'
+KEY_REFUSALS = {
+    "unknown connector": ('option.kv_transfer_config={"kv_connector": "NixlConnector"}',
+                          "option.kv_transfer_config", "TorchDistributedConnector"),
+    "producer role": (TRANSFER + ', "kv_role": "kv_producer"}', "option.kv_transfer_config",
+                      "kv_both"),
+    "workers without transfer": ("option.num_decode_workers=2", "option.num_decode_workers",
+                                 "kv_transfer_config"),
+    "threshold 1": (TRANSFER + "}\noption.cooperative_prefill_threshold=1",
+                    "option.cooperative_prefill_threshold", "0 (never)"),
+    "too many workers": (TRANSFER + "}\noption.num_prefill_workers=65",
+                         "option.num_prefill_workers", "1..64"),
+    "tensor parallel": (TRANSFER + "}\noption.tensor_parallel_degree=2",
+                        "option.kv_transfer_config", "tensor parallelism"),
+    "remote rank 0": (TRANSFER + ', "kv_ip": "10.0.0.1", "kv_connector_extra_config": '
+                      '{"remote_prefill_workers": 1, "worker_port": 14580}}',
+                      "option.kv_transfer_config", "the first prefill worker runs here"),
+    "remote on loopback": (TRANSFER + ', "kv_connector_extra_config": '
+                           '{"remote_decode_workers": 1, "worker_port": 14580}}',
+                           "option.kv_transfer_config", "kv_ip"),
+    "remote without a port": (TRANSFER + ', "kv_ip": "10.0.0.1", "kv_connector_extra_config": '
+                              '{"remote_decode_workers": 1}}', "option.kv_transfer_config",
+                              "worker_port"),
+}
+
+
+@pytest.mark.parametrize("case", KEY_REFUSALS)
+def test_disaggregation_keys_refuse_what_cannot_run_by_name(case, monkeypatch) -> None:
+    from handler.config.setting import ConfigError
+    from tests.test_properties import resolve
+
+    monkeypatch.setenv("BATCHYARD_WORKER_KEY", "s3cret")
+    text, key, why = KEY_REFUSALS[case]
+    with pytest.raises(ConfigError) as err:
+        resolve(f"option.rolling_batch=paged\n{text}")
+    assert f"invalid {key}=" in str(err.value) and why in str(err.value)
+
+
+def test_disaggregation_keys_reach_the_engine_config(monkeypatch) -> None:
+    from tests.test_properties import resolve
+
+    monkeypatch.setenv("BATCHYARD_WORKER_KEY", "s3cret")
+    config = resolve("option.rolling_batch=paged\n" + TRANSFER + ', "kv_ip": "10.0.0.1", '
+                     '"kv_port": 14579, "kv_connector_extra_config": {"remote_decode_workers": '
+                     '1, "worker_port": 14580}}\noption.num_prefill_workers=2\n'
+                     "option.num_decode_workers=2\noption.cooperative_prefill_threshold=0")
+    plan = config.engine.disaggregation
+    assert (plan.num_prefill_workers, plan.num_decode_workers, plan.remote_decode_workers,
+            plan.worker_port, plan.worker_key, plan.kv_ip, plan.kv_port,
+            plan.cooperative_prefill_threshold) == (2, 2, 1, 14580, b"s3cret", "10.0.0.1",
+                                                    14579, None)
+    assert "s3cret" not in repr(config.engine)

@@ -64,8 +64,9 @@ class CoreRole(Protocol):
     def after_step(self, outputs: list[StepOutput]) -> tuple[Handoff, ...]:
         """What the step's outputs hand on to other workers."""
 
-    def forget(self, request_id: str) -> None:
-        """An abort for a request this engine does not hold (it may be on its way here)."""
+    def forget(self, request_id: str, held: bool) -> None:
+        """A request ended by an abort or its deadline; `held`: this engine held it (else it
+        may still be on its way here)."""
 
 
 def prepare_to_serve(engine: LLMEngine) -> None:
@@ -201,8 +202,8 @@ class EngineCore:
                error: str | None) -> list[StepOutput]:
         output = self.engine.abort(request_id, reason, error)
         self._deadlines.pop(request_id, None)
-        if output is None and self.role is not None:
-            self.role.forget(request_id)
+        if self.role is not None:
+            self.role.forget(request_id, held=output is not None)
         return [output] if output else []
 
     def _send(self, outputs: list[StepOutput], stats: StepStats | None = None,

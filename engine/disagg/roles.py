@@ -62,6 +62,7 @@ class PrefillRole:
         self.engine = engine
         self.wire = wire
         self._targets: dict[str, int] = {}  # request id -> its decode worker's rank
+        self.clock_offset = 0.0  # this host's monotonic clock minus the router's
         self._outbox: queue.SimpleQueue[tuple[torch.Tensor, int] | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_all, name="kv-sender", daemon=True)
         self._sender.start()
@@ -75,7 +76,7 @@ class PrefillRole:
         self.engine.add_validated(message.request_id, message.request)
         self._targets[message.request_id] = message.decode_rank
         if message.request.deadline is not None:
-            deadlines[message.request_id] = message.request.deadline
+            deadlines[message.request_id] = message.request.deadline + self.clock_offset
         return True
 
     def _take_slice(self, message: CooperativeSlice) -> None:
@@ -103,7 +104,7 @@ class PrefillRole:
                                     seq.num_prompt_tokens, self.wire.rank, dst))
         return tuple(handoffs)
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, held: bool) -> None:
         self._targets.pop(request_id, None)
 
     def close(self) -> None:
@@ -137,6 +138,7 @@ class DecodeRole:
         self.arrivals: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
         self._senders: dict[int, queue.SimpleQueue[AddPrefilled | None]] = {}
         self._forgotten: OrderedDict[str, None] = OrderedDict()
+        self.clock_offset = 0.0  # this host's monotonic clock minus the router's
 
     def apply(self, message: object, deadlines: dict[str, float]) -> bool:
         if isinstance(message, AddPrefilled):
@@ -149,13 +151,15 @@ class DecodeRole:
             return True  # aborted on its way here
         admit_prefilled(self.engine, notice, message.kv)
         if notice.request.deadline is not None:
-            deadlines[notice.request_id] = notice.request.deadline
+            deadlines[notice.request_id] = notice.request.deadline + self.clock_offset
         return True
 
     def after_step(self, outputs: list[StepOutput]) -> tuple[Handoff, ...]:
         return ()
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, held: bool) -> None:
+        if held:
+            return
         self._forgotten[request_id] = None
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)

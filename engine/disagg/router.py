@@ -17,16 +17,24 @@ import os
 import queue
 import socket
 import threading
+import time
 from dataclasses import replace
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import (
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+    wait,
+)
 from pathlib import Path
+from typing import cast
 
 from engine.config import Disaggregation, EngineConfig
 from engine.core.adapters import AdapterReply
 from engine.core.engine_core import CoreMessage, CoreUpdate
 from engine.core.process import CoreFailed, CoreReady, send_message
-from engine.disagg.runahead import linear_tokens, partition
+from engine.disagg.partition import linear_tokens, partition
 from engine.disagg.worker import DECODE, PREFILL, WorkerArgs, worker_main
 from engine.inputs import (
     AbortRequest,
@@ -49,6 +57,8 @@ from engine.text.output_processor import StepOutput
 logger = logging.getLogger(__name__)
 
 SLICE_PARAMS = SamplingParams(max_new_tokens=1)  # a passed-on slice's one token is dropped
+HANDSHAKE_SECONDS = 10.0  # a remote worker proves the key within this, or is dropped
+_CLOSED = object()  # a worker's outbox: nothing more to write
 
 
 def free_port(host: str) -> int:
@@ -70,6 +80,29 @@ def share_cores(num_workers: int) -> list[tuple[int, ...]]:
         shares.append(tuple(cores[start:end]))
         start = end
     return shares
+
+
+def _authenticated(conn: Connection, key: bytes) -> Connection | None:
+    """`conn` once its peer proved `key` (multiprocessing's HMAC handshake, both ways), None
+    (closed) if it did not within HANDSHAKE_SECONDS: a silent or wrong peer never stalls the
+    router's start."""
+    proved = threading.Event()
+
+    def handshake() -> None:
+        try:
+            deliver_challenge(conn, key)
+            answer_challenge(conn, key)
+            proved.set()
+        except (AuthenticationError, EOFError, OSError):
+            pass
+
+    thread = threading.Thread(target=handshake, daemon=True)
+    thread.start()
+    thread.join(HANDSHAKE_SECONDS)
+    if proved.is_set():
+        return conn
+    conn.close()  # (ends a handshake still waiting)
+    return None
 
 
 def remote_ranks(plan: Disaggregation | None) -> set[int]:
@@ -105,7 +138,10 @@ class _Worker:
                  process: multiprocessing.process.BaseProcess | None = None) -> None:
         self.rank, self.role = rank, role
         self.inbox, self.updates, self.process = inbox, updates, process
-        self.send_lock = threading.Lock()
+        # Messages go out on a thread of their own: a worker busy with a long step lets its
+        # pipe fill, and the router (holding its lock) must never wait for that.
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        threading.Thread(target=self._write_all, name=f"to-{role}-{rank}", daemon=True).start()
         self.in_flight = 0  # requests it holds (a load-balancing hint)
         self.gauges: Gauges | None = None
         self.alive = True
@@ -123,20 +159,27 @@ class _Worker:
 
     def stop(self, timeout: float) -> None:
         """After its last word: wait for its process (terminated past `timeout`)."""
+        self._outbox.put(_CLOSED)
         if self.process is None:
             self.inbox.close()
             return
         self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
+        if self.process.is_alive():  # (workers ignore SIGTERM: the router stops them)
+            logger.warning("%s worker %d did not stop within %.0f s; killing it", self.role,
+                           self.rank, timeout)
+            self.process.kill()
             self.process.join(2)
 
     def send(self, message: object) -> None:
-        with self.send_lock:
+        """Queue `message` for the worker, in order."""
+        self._outbox.put(message)
+
+    def _write_all(self) -> None:
+        while (message := self._outbox.get()) is not _CLOSED:
             try:
                 send_message(self.inbox, message)
             except OSError:  # it is gone; its reader reports it
-                pass
+                return
 
     def receive(self) -> object | None:
         try:
@@ -159,12 +202,15 @@ class DisaggregatedCore:
         self._args = [WorkerArgs(config, role, rank, plan.num_workers, plan.kv_ip, port, (),
                                  level) for rank, role in enumerate(roles)]
         remote = remote_ranks(plan)
-        local = [args for args in self._args if args.rank not in remote]
+        self._args = [replace(args, remote_present=bool(remote)) for args in self._args]
+        local = [replace(args, local_slot=slot, local_workers=plan.num_workers - len(remote))
+                 for slot, args in enumerate(a for a in self._args if a.rank not in remote)]
         if config.device != "cuda":  # this host's cores, shared out among its workers
             local = [replace(args, cores=cores)
                      for args, cores in zip(local, share_cores(len(local)), strict=True)]
-        self._listener = (Listener(("0.0.0.0", plan.worker_port), authkey=plan.worker_key)
-                          if remote else None)
+        self._plan = plan
+        # No authkey here: _authenticated() runs the handshake with a deadline.
+        self._listener = Listener((plan.kv_ip, plan.worker_port)) if remote else None
         self._workers: list[_Worker | None] = [None] * plan.num_workers
         for args in local:
             self._workers[args.rank] = _Worker.spawn(context, args)
@@ -192,17 +238,20 @@ class DisaggregatedCore:
         could not."""
         self._accept_remote()
         readies = []
-        for worker in self.workers:
-            first = worker.receive()
-            if not isinstance(first, CoreReady):
-                self.terminate()
-                if isinstance(first, CoreFailed) and first.config_error:
-                    raise ValueError(first.message)
-                reason = first.message if isinstance(first, CoreFailed) else "it exited"
-                raise RuntimeError(f"disaggregated {worker.role} worker {worker.rank} did not "
-                                   f"start: {reason}")
-            worker.gauges = first.gauges
-            readies.append(first)
+        pending = {worker.updates: worker for worker in self.workers}
+        while pending:  # whichever speaks first: one that fails stops the others' wait
+            for conn in wait(list(pending)):
+                worker = pending.pop(cast(Connection, conn))
+                first = worker.receive()
+                if not isinstance(first, CoreReady):
+                    self.terminate()
+                    if isinstance(first, CoreFailed) and first.config_error:
+                        raise ValueError(first.message)
+                    reason = first.message if isinstance(first, CoreFailed) else "it exited"
+                    raise RuntimeError(f"disaggregated {worker.role} worker {worker.rank} did "
+                                       f"not start: {reason}")
+                worker.gauges = first.gauges
+                readies.append(first)
         self.limits = RequestLimits(
             min(r.limits.max_model_len for r in readies),
             min(r.limits.max_seq_tokens for r in readies), readies[0].limits.vocab_size)
@@ -226,13 +275,11 @@ class DisaggregatedCore:
             args = self._args[rank]
             logger.info("waiting for remote %s worker %d at port %d", args.role, rank,
                         self._listener.address[1])
-            while True:
-                try:
-                    conn = self._listener.accept()
-                    break
-                except (AuthenticationError, OSError) as err:
-                    logger.warning("a worker failed to join: %s", err)
-            send_message(conn, args)
+            while (conn := _authenticated(self._listener.accept(), self._plan.worker_key)) \
+                    is None:
+                logger.warning("a connection to the worker port did not prove the key within "
+                               "%.0f s; dropped", HANDSHAKE_SECONDS)
+            send_message(conn, replace(args, router_clock=time.monotonic()))
             self._workers[rank] = _Worker(rank, args.role, conn, conn)
         self._listener.close()
 
@@ -350,9 +397,10 @@ class DisaggregatedCore:
         rid = handoff.request_id
         request = self._requests.get(rid)
         source, target = self.workers[handoff.src], self.workers[handoff.dst]
-        source.in_flight -= 1
         if request is None:
             return None
+        source.in_flight -= 1
+        del self._where[rid]  # (ended below, or at its decode worker)
         if not target.alive:
             return self._ending(rid, request, FinishReason.ERROR, self._failed, tokens=1)
         target.send(AddPrefilled(rid, request, handoff.token_id, handoff.seed,

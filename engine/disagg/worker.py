@@ -11,17 +11,20 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Client, Connection
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.engine_core import CoreMessage, EngineCore, prepare_to_serve
 from engine.core.process import CoreFailed, CoreReady, _Pipes
-from engine.disagg.roles import DecodeRole, PrefillRole
-from engine.disagg.transfer import KVLink
 from engine.inputs import StopCore
+
+if TYPE_CHECKING:  # torch and what needs it load in the worker's process only (the router
+    import torch  # imports this module for WorkerArgs)
+
+    from engine.disagg.roles import DecodeRole, PrefillRole
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,12 @@ class WorkerArgs:
     kv_port: int
     cores: tuple[int, ...]  # CPU cores it runs on (the host's, shared out); () : all
     log_level: int
+    # its place among the workers of its host (GPU number local_slot, modulo the cards)
+    local_slot: int = 0
+    local_workers: int = 1
+    remote_present: bool = False  # some workers run on other hosts: KV staged through hosts
+    # a remote worker's: the router's monotonic clock when it sent these (deadlines rebased)
+    router_clock: float | None = None
 
 
 class _WorkerPipes(_Pipes):
@@ -76,36 +85,42 @@ class _WorkerPipes(_Pipes):
         return messages
 
 
-def worker_device(config: EngineConfig, rank: int, world_size: int
-                  ) -> tuple[torch.device, EngineConfig]:
-    """Where this worker computes: GPU number rank (modulo the cards there are) on CUDA, its
-    share of gpu_memory_utilization divided among the workers on that card."""
+def worker_device(config: EngineConfig, args: WorkerArgs) -> tuple[torch.device, EngineConfig]:
+    """Where this worker computes: its host's GPU number local_slot (modulo the cards there
+    are) on CUDA, gpu_memory_utilization divided among that host's workers on the card."""
+    import torch
+
     if config.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu"), replace(config, device="cpu")
     cards = torch.cuda.device_count()
-    gpu = rank % cards
+    gpu = args.local_slot % cards
     torch.cuda.set_device(gpu)
-    sharing = len(range(gpu, world_size, cards))
+    sharing = max(1, len(range(gpu, args.local_workers, cards)))
     return torch.device("cuda", gpu), replace(
         config, device="cuda", gpu_memory_utilization=config.gpu_memory_utilization / sharing)
 
 
-def buffer_device(config: EngineConfig, device: torch.device, world_size: int) -> torch.device:
-    """Where KV is staged for the wire: the GPU (NCCL) when every worker has a card of its own,
-    else host memory (gloo; NCCL refuses two ranks on one card)."""
+def buffer_device(config: EngineConfig, device: torch.device, args: WorkerArgs) -> torch.device:
+    """Where KV is staged for the wire: the GPU (NCCL) when every worker of the host has a card
+    of its own and no worker is elsewhere (every rank must take the same backend), else host
+    memory (gloo; NCCL also refuses two ranks on one card). kv_buffer_device=cuda insists."""
+    import torch
+
     choice = config.disaggregation.kv_buffer_device if config.disaggregation else "auto"
     if choice == "auto":
-        own_cards = device.type == "cuda" and torch.cuda.device_count() >= world_size
-        choice = "cuda" if own_cards else "cpu"
+        own_cards = device.type == "cuda" and torch.cuda.device_count() >= args.local_workers
+        choice = "cuda" if own_cards and not args.remote_present else "cpu"
     return device if choice == "cuda" and device.type == "cuda" else torch.device("cpu")
 
 
-def serve_remote(router: tuple[str, int], key: bytes, model_dir: str | None) -> None:
+def serve_remote(router: tuple[str, int], key: bytes, model_dir: str | None,
+                 gpu: int = 0) -> None:
     """A worker on another host (`batchyard worker`): join the router at `router`, take the
     rank and configuration it gives, load the model from `model_dir` (default: the router's
-    path) and serve until the router goes."""
+    path) onto GPU number `gpu` (on CUDA) and serve until the router goes."""
     conn = Client(router, authkey=key)  # duplex: messages in, updates out
     args: WorkerArgs = conn.recv()
+    args = replace(args, local_slot=gpu, local_workers=1)
     if model_dir is not None:
         args = replace(args, config=replace(args.config, model=model_dir))
     logger.info("joined the router at %s:%d as %s worker %d", *router, args.role, args.rank)
@@ -120,6 +135,11 @@ def worker_main(args: WorkerArgs, inbox: Connection, outbox: Connection,
     for signum in (signal.SIGINT, signal.SIGTERM):
         if not stoppable:
             signal.signal(signum, signal.SIG_IGN)
+    import torch
+
+    from engine.disagg.roles import DecodeRole, PrefillRole
+    from engine.disagg.transfer import KVLink
+
     if args.cores:
         os.sched_setaffinity(0, args.cores)
         torch.set_num_threads(len(args.cores))
@@ -128,23 +148,26 @@ def worker_main(args: WorkerArgs, inbox: Connection, outbox: Connection,
     if args.role == PREFILL:  # it hands each prompt on after one token: nothing to overlap
         config = replace(config, async_scheduling=False, speculative_method=None,
                          speculative_model=None)
-    device, config = worker_device(config, args.rank, args.world_size)
+    device, config = worker_device(config, args)
     assert config.disaggregation is not None  # the router starts workers for it only
     from engine.llm_engine import LLMEngine
 
     try:
         link = KVLink(args.rank, args.world_size, args.kv_host, args.kv_port,
-                      buffer_device(config, device, args.world_size),
+                      buffer_device(config, device, args),
                       config.disaggregation.transfer_timeout_s)
         engine = LLMEngine.from_config(config)
     except Exception as err:
         pipes.publish(CoreFailed.of(err))
-        return
+        logging.shutdown()
+        os._exit(1)  # (the same teardown as below, with a store perhaps up)
     role: PrefillRole | DecodeRole
     if args.role == PREFILL:
         role = PrefillRole(engine, link)
     else:
         role = pipes.role = DecodeRole(engine, link, pipes.wake)
+    if args.router_clock is not None:  # deadlines are the router host's monotonic times
+        role.clock_offset = time.monotonic() - args.router_clock
     prepare_to_serve(engine)
     pipes.publish(CoreReady.of(engine))
     try:
@@ -152,3 +175,7 @@ def worker_main(args: WorkerArgs, inbox: Connection, outbox: Connection,
     finally:
         role.close()
         link.close()
+    # Done and said so: leave without the interpreter's teardown, in which rank 0's TCP store
+    # server thread, still joinable, aborts the process ("terminate called ...", exit -6).
+    logging.shutdown()
+    os._exit(0)

@@ -91,10 +91,29 @@ class BlockManager(KVAllocator):
         if len(seq.block_tables) < self.num_tables:
             seq.block_tables += [[] for _ in range(self.num_tables - len(seq.block_tables))]
         for table in seq.block_tables:
-            for _ in range(need):
-                block = self._take_free_block()
-                self._ref[block] = 1
-                table.append(block)
+            table.extend(self._taken() for _ in range(need))
+
+    def allocate_placed(self, seq: Sequence, num_tokens: int, placed: int) -> bool:
+        """Blocks for a sequence that holds none yet, whose first `placed` tokens' KV comes from
+        elsewhere (disaggregated workers) and which then computes up to `num_tokens`: a
+        windowed table takes none for the positions the query at `placed` no longer sees (their
+        entries name the scratch block, as if slid past). False, taking nothing, when the free
+        blocks do not suffice."""
+        assert not seq.block_table, "placed KV starts from an empty table"
+        total = -(-num_tokens // self.block_size)
+        skipped = [0 if window is None else
+                   min(total, max(0, placed - window + 1) // self.block_size)
+                   for window in self.table_windows]
+        if sum(total - n for n in skipped) > self.num_free_blocks:
+            return False
+        seq.block_tables = [[self.outside_window] * n
+                            + [self._taken() for _ in range(total - n)] for n in skipped]
+        return True
+
+    def _taken(self) -> int:
+        block = self._take_free_block()
+        self._ref[block] = 1
+        return block
 
     def release_outside_window(self, seq: Sequence) -> None:
         """Give back the blocks whose positions no later query of `seq` can see: the next one

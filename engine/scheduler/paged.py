@@ -151,12 +151,13 @@ class PagedBatching(Scheduler):
             seq = self.waiting[0]
             if not self._adapter_fits(seq):
                 break
-            if seq.cooperative:
-                if not self._admit_prefilled(seq, picked):
+            if seq.cooperative:  # one a step: its step trades K/V with one exchange
+                if any(s.cooperative for s in picked) or not self._admit_prefilled(seq, picked):
                     break
                 budget -= picked[seq]  # the whole slice in one step, past the budget
                 continue
-            self.allocator.match_prefix(seq)
+            if not (seq.num_remote_kv_tokens and self.allocator.any_window):
+                self.allocator.match_prefix(seq)  # (placed KV skips windows' slid-past blocks)
             if seq.num_remote_kv_tokens > seq.num_computed_tokens:
                 if not self._admit_prefilled(seq, picked):
                     break
@@ -183,12 +184,16 @@ class PagedBatching(Scheduler):
         them before the step); the rest is computed now, in one step: a decode's first output
         token, or a cooperative prompt slice. False (nothing taken) when the blocks are not
         free."""
-        if seq.num_uncomputed_tokens > self._free_slots(seq):
+        if self.allocator.any_window:  # nothing matched: blocks for what stays visible
+            if not self.allocator.allocate_placed(seq, seq.num_tokens, seq.num_remote_kv_tokens):
+                return False
+        elif seq.num_uncomputed_tokens > self._free_slots(seq):
             self.allocator.free(seq)  # give back the prefix blocks it just shared
             seq.num_computed_tokens = 0
             return False
+        else:
+            self.allocator.allocate(seq, seq.num_uncomputed_tokens)
         self.waiting.popleft()
-        self.allocator.allocate(seq, seq.num_uncomputed_tokens)
         seq.kv_import_start = seq.num_computed_tokens
         seq.num_computed_tokens = seq.num_remote_kv_tokens
         seq.status = SequenceStatus.RUNNING

@@ -273,6 +273,7 @@ def kv_transfer_config(r: Reader, key: Key) -> dict[str, Any] | None:
 
 _REMOTE_FIELDS = ("remote_prefill_workers", "remote_decode_workers", "worker_port")
 WORKER_KEY_ENV = "BATCHYARD_WORKER_KEY"  # the secret remote workers prove (batchyard worker)
+MAX_DISAGG_WORKERS = 64  # of each side
 
 
 def _remote_workers(r: Reader, key: Key, spec: dict[str, Any]) -> dict[str, Any]:
@@ -288,13 +289,16 @@ def _remote_workers(r: Reader, key: Key, spec: dict[str, Any]) -> dict[str, Any]
     for name in _REMOTE_FIELDS:
         value = extra.get(name, 0)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 65536:
-            r.fail(key.name, f"{name} as an integer >= 0")
+            r.fail(key.name, f"{name} as an integer in 0..65535")
         out[name] = value
     if out["remote_prefill_workers"] or out["remote_decode_workers"]:
         secret = os.environ.get(WORKER_KEY_ENV, "")
         if not secret or not out["worker_port"]:
             r.refuse(key.name, f"workers on other hosts need worker_port (where they reach the "
                      f"router) and the secret they prove in {WORKER_KEY_ENV}")
+        if spec.get("kv_ip", "127.0.0.1").startswith(("127.", "localhost")):
+            r.refuse(key.name, "workers on other hosts need kv_ip: this host's address they "
+                     "reach (the router and the workers' store listen there)")
         out["worker_key"] = secret.encode()
     return out
 
@@ -324,6 +328,15 @@ def disaggregation_fits(r: Reader, values: Mapping[str, Any]) -> None:
                          "disaggregated.properties)")
         return
     name = "option.kv_transfer_config"
+    for workers in ("option.num_prefill_workers", "option.num_decode_workers"):
+        if values[workers] > MAX_DISAGG_WORKERS:
+            r.fail(workers, f"an integer in 1..{MAX_DISAGG_WORKERS}")
+    if values["option.cooperative_prefill_threshold"] == 1:
+        r.fail("option.cooperative_prefill_threshold", "0 (never) or an integer >= 2")
+    try:
+        disaggregation(values)
+    except ValueError as err:  # remote worker counts against the local ones
+        r.refuse(name, str(err))
     if values["option.rolling_batch"] not in PAGED_VALUES | {"auto"}:
         r.refuse(name, "disaggregated workers batch paged: set option.rolling_batch=paged")
     for ok, why, fix in (
