@@ -14,6 +14,7 @@ from typing import Any
 
 GOODPUT_FILE = "goodput.json"
 GOODPUT_PNG = "goodput_attainment.png"
+MARKERS = ("o", "s", "^", "D", "v", "P")
 RUN_HEAD = ["configuration", "rate (req/s)", "requests (errors)", "SLO attainment", "TTFT met",
             "TPOT met", "TTFT p50 / p90 (ms)", "TPOT p50 / p90 (ms)", "request goodput (req/s)"]
 
@@ -107,8 +108,11 @@ def attainment_figure(results: dict) -> Any:
         if not runs:
             continue
         color = STRATEGY_COLORS.get(name, OTHER_COLORS[i % len(OTHER_COLORS)])
-        ax.plot([r["rate"] for r in runs], [r["attainment"] for r in runs], marker="o",
-                color=color, label=f"{name}: {config.get('goodput', '')}")
+        # tied curves overlap: a marker each, and dashes for what is not a batching strategy
+        ax.plot([r["rate"] for r in runs], [r["attainment"] for r in runs],
+                marker=MARKERS[i % len(MARKERS)], color=color, alpha=0.85,
+                linestyle="-" if name in STRATEGY_COLORS else "--",
+                label=f"{name}: {config.get('goodput', '')}")
         if config.get("goodput_rps") is not None:
             ax.plot([config["goodput_rps"]], [next(r["attainment"] for r in runs
                                                    if r["rate"] == config["goodput_rps"])],
