@@ -98,7 +98,7 @@ def attainment_figure(results: dict) -> Any:
     dashed line, each goodput as a ring."""
     from matplotlib.figure import Figure
 
-    from benchmark.report import OTHER_COLORS, STRATEGY_COLORS
+    from benchmark.tables import OTHER_COLORS, STRATEGY_COLORS
 
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()

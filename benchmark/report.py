@@ -19,6 +19,8 @@ from matplotlib.patches import Patch
 
 from benchmark.goodput_report import GOODPUT_FILE
 from benchmark.tables import (
+    OTHER_COLORS,
+    STRATEGY_COLORS,
     error_line,
     is_peer,
     label,
@@ -34,10 +36,7 @@ from benchmark.tables import (
 logger = logging.getLogger(__name__)
 
 OVERVIEW_PNG = "benchmark_overview.png"
-# The same colour for a strategy in every figure; peers are grey and hatched.
-STRATEGY_COLORS = {"none": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue",
-                   "paged": "tab:green"}
-OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+# The same colour for a strategy in every figure (tables.py); peers are grey and hatched.
 PEER_GREYS = ("0.45", "0.6", "0.3", "0.75")
 PEER_HATCH = "//"
 

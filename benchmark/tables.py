@@ -11,6 +11,11 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+# The same colour for a strategy in every figure (report.py, goodput_report.py).
+STRATEGY_COLORS = {"none": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue",
+                   "paged": "tab:green"}
+OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+
 SWEEP_FILE = "sweep.json"
 PEERS_FILE = "peers.json"
 # Run-to-run drift on the shared CI machine (README): a smaller gap is not a result.

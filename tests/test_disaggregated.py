@@ -336,7 +336,7 @@ def test_a_dead_worker_fails_its_requests_and_ping_turns_503(model) -> None:
     that), a new request is refused; nothing hangs."""
     client = start_client(model, max_model_len=256)
     try:
-        workers = client._loop._core._workers  # noqa: SLF001 - the processes to kill
+        workers = client._loop._core.workers  # noqa: SLF001 - the processes to kill
         victim = next(w for w in workers if w.role == "decode")
         params = SamplingParams(max_new_tokens=140, ignore_eos=True)
         decoding = client.submit(GenerationRequest((5, 6, 7), params))

@@ -12,30 +12,31 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import multiprocessing.process
-import os
 import queue
-import socket
 import threading
-import time
 from dataclasses import replace
-from multiprocessing import AuthenticationError
 from multiprocessing.connection import (
     Connection,
     Listener,
-    answer_challenge,
-    deliver_challenge,
     wait,
 )
 from pathlib import Path
 from typing import cast
 
-from engine.config import Disaggregation, EngineConfig
+from engine.config import EngineConfig
 from engine.core.adapters import AdapterReply
 from engine.core.engine_core import CoreMessage, CoreUpdate
-from engine.core.process import CoreFailed, CoreReady, send_message
+from engine.core.process import CoreFailed, CoreReady
+from engine.disagg.fleet import (
+    WorkerEnd,
+    admit_remote,
+    free_port,
+    merge_gauges,
+    plan_workers,
+    remote_ranks,
+)
 from engine.disagg.partition import linear_tokens, partition
-from engine.disagg.worker import DECODE, PREFILL, WorkerArgs, worker_main
+from engine.disagg.worker import DECODE, PREFILL
 from engine.inputs import (
     AbortRequest,
     AddAdapter,
@@ -57,135 +58,6 @@ from engine.text.output_processor import StepOutput
 logger = logging.getLogger(__name__)
 
 SLICE_PARAMS = SamplingParams(max_new_tokens=1)  # a passed-on slice's one token is dropped
-HANDSHAKE_SECONDS = 10.0  # a remote worker proves the key within this, or is dropped
-_CLOSED = object()  # a worker's outbox: nothing more to write
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def share_cores(num_workers: int) -> list[tuple[int, ...]]:
-    """This host's cores cut into one contiguous share per worker (shared round-robin when
-    there are fewer cores than workers)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < num_workers:
-        return [(cores[i % len(cores)],) for i in range(num_workers)]
-    size, extra = divmod(len(cores), num_workers)
-    shares, start = [], 0
-    for i in range(num_workers):
-        end = start + size + (1 if i < extra else 0)
-        shares.append(tuple(cores[start:end]))
-        start = end
-    return shares
-
-
-def _authenticated(conn: Connection, key: bytes) -> Connection | None:
-    """`conn` once its peer proved `key` (multiprocessing's HMAC handshake, both ways), None
-    (closed) if it did not within HANDSHAKE_SECONDS: a silent or wrong peer never stalls the
-    router's start."""
-    proved = threading.Event()
-
-    def handshake() -> None:
-        try:
-            deliver_challenge(conn, key)
-            answer_challenge(conn, key)
-            proved.set()
-        except (AuthenticationError, EOFError, OSError):
-            pass
-
-    thread = threading.Thread(target=handshake, daemon=True)
-    thread.start()
-    thread.join(HANDSHAKE_SECONDS)
-    if proved.is_set():
-        return conn
-    conn.close()  # (ends a handshake still waiting)
-    return None
-
-
-def remote_ranks(plan: Disaggregation | None) -> set[int]:
-    """The ranks that join from other hosts: the last of each side's."""
-    if plan is None:
-        return set()
-    prefill = range(plan.num_prefill_workers - plan.remote_prefill_workers,
-                    plan.num_prefill_workers)
-    decode = range(plan.num_workers - plan.remote_decode_workers, plan.num_workers)
-    return {*prefill, *decode}
-
-
-def merge_gauges(gauges: list[Gauges]) -> Gauges:
-    """The workers' gauges as one engine's: counts and blocks summed."""
-    first = gauges[0]
-    hit_rates = [g.prefix_cache_hit_rate for g in gauges]
-    return first._replace(
-        num_waiting=sum(g.num_waiting for g in gauges),
-        num_running=sum(g.num_running for g in gauges),
-        kv_blocks_used=sum(g.kv_blocks_used for g in gauges),
-        kv_blocks_total=sum(g.kv_blocks_total for g in gauges),
-        max_concurrency=sum(g.max_concurrency for g in gauges),
-        prefix_cache_hit_rate=sum(hit_rates) / len(hit_rates),
-        busy_step_seconds=sum(g.busy_step_seconds for g in gauges),
-        busy_sequence_steps=sum(g.busy_sequence_steps for g in gauges))
-
-
-class _Worker:
-    """One worker and the router's ends of its pipes: a process of this host, or a connection
-    from another host's `batchyard worker` (process None)."""
-
-    def __init__(self, rank: int, role: str, inbox: Connection, updates: Connection,
-                 process: multiprocessing.process.BaseProcess | None = None) -> None:
-        self.rank, self.role = rank, role
-        self.inbox, self.updates, self.process = inbox, updates, process
-        # Messages go out on a thread of their own: a worker busy with a long step lets its
-        # pipe fill, and the router (holding its lock) must never wait for that.
-        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
-        threading.Thread(target=self._write_all, name=f"to-{role}-{rank}", daemon=True).start()
-        self.in_flight = 0  # requests it holds (a load-balancing hint)
-        self.gauges: Gauges | None = None
-        self.alive = True
-
-    @classmethod
-    def spawn(cls, context, args: WorkerArgs) -> _Worker:
-        inbox_end, inbox = context.Pipe(duplex=False)
-        updates, outbox_end = context.Pipe(duplex=False)
-        process = context.Process(target=worker_main, args=(args, inbox_end, outbox_end),
-                                  name=f"{args.role}-worker-{args.rank}", daemon=True)
-        process.start()
-        inbox_end.close()  # only the child holds these now: its death reads as EOF here
-        outbox_end.close()
-        return cls(args.rank, args.role, inbox, updates, process)
-
-    def stop(self, timeout: float) -> None:
-        """After its last word: wait for its process (terminated past `timeout`)."""
-        self._outbox.put(_CLOSED)
-        if self.process is None:
-            self.inbox.close()
-            return
-        self.process.join(timeout)
-        if self.process.is_alive():  # (workers ignore SIGTERM: the router stops them)
-            logger.warning("%s worker %d did not stop within %.0f s; killing it", self.role,
-                           self.rank, timeout)
-            self.process.kill()
-            self.process.join(2)
-
-    def send(self, message: object) -> None:
-        """Queue `message` for the worker, in order."""
-        self._outbox.put(message)
-
-    def _write_all(self) -> None:
-        while (message := self._outbox.get()) is not _CLOSED:
-            try:
-                send_message(self.inbox, message)
-            except OSError:  # it is gone; its reader reports it
-                return
-
-    def receive(self) -> object | None:
-        try:
-            return self.updates.recv()
-        except (EOFError, OSError):
-            return None
 
 
 class DisaggregatedCore:
@@ -195,25 +67,18 @@ class DisaggregatedCore:
         plan = config.disaggregation
         assert plan is not None, "DisaggregatedCore serves a disaggregated configuration"
         self.config = config
-        context = multiprocessing.get_context("spawn")
-        port = plan.kv_port or free_port(plan.kv_ip)
-        level = logging.getLogger().getEffectiveLevel()
-        roles = [PREFILL] * plan.num_prefill_workers + [DECODE] * plan.num_decode_workers
-        self._args = [WorkerArgs(config, role, rank, plan.num_workers, plan.kv_ip, port, (),
-                                 level) for rank, role in enumerate(roles)]
-        remote = remote_ranks(plan)
-        self._args = [replace(args, remote_present=bool(remote)) for args in self._args]
-        local = [replace(args, local_slot=slot, local_workers=plan.num_workers - len(remote))
-                 for slot, args in enumerate(a for a in self._args if a.rank not in remote)]
-        if config.device != "cuda":  # this host's cores, shared out among its workers
-            local = [replace(args, cores=cores)
-                     for args, cores in zip(local, share_cores(len(local)), strict=True)]
+        # KV-Runahead: prompts of this many tokens or more are shared by the prefill workers
+        self._threshold = plan.cooperative_prefill_threshold
+        self._linear_tokens = plan.partition_linear_tokens or linear_tokens(
+            read_json_object(Path(config.model) / "config.json"))
         self._plan = plan
-        # No authkey here: _authenticated() runs the handshake with a deadline.
+        self._args = plan_workers(config, plan.kv_port or free_port(plan.kv_ip))
+        remote = remote_ranks(plan)
+        # No authkey here: admit_remote() runs the handshake with a deadline.
         self._listener = Listener((plan.kv_ip, plan.worker_port)) if remote else None
-        self._workers: list[_Worker | None] = [None] * plan.num_workers
-        for args in local:
-            self._workers[args.rank] = _Worker.spawn(context, args)
+        context = multiprocessing.get_context("spawn")
+        self.workers = [WorkerEnd.spawn(context, args) for args in self._args
+                        if args.rank not in remote]
         self._updates: queue.SimpleQueue[CoreUpdate | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._requests: dict[str, GenerationRequest] = {}  # unfinished, by id
@@ -224,10 +89,6 @@ class DisaggregatedCore:
         self._failed: str | None = None  # why the workers no longer serve
         self._stopping = False  # StopCore sent: workers ending is no failure
         self._readers: list[threading.Thread] = []
-        # KV-Runahead: prompts of this many tokens or more are shared by the prefill workers
-        self._threshold = plan.cooperative_prefill_threshold
-        self._linear_tokens = plan.partition_linear_tokens or linear_tokens(
-            read_json_object(Path(config.model) / "config.json"))
         self._coop_ids = 0
         self._sharing: set[str] = set()  # shared prompts before their first token
 
@@ -236,7 +97,7 @@ class DisaggregatedCore:
     def wait_ready(self) -> None:
         """Block until every worker (remote ones too) has loaded its model; raises if one
         could not."""
-        self._accept_remote()
+        self._accept_remote()  # (self.workers[rank] from here on)
         readies = []
         pending = {worker.updates: worker for worker in self.workers}
         while pending:  # whichever speaks first: one that fails stops the others' wait
@@ -267,25 +128,11 @@ class DisaggregatedCore:
                     len(self._of(PREFILL)), len(self._of(DECODE)))
 
     def _accept_remote(self) -> None:
-        """Workers of other hosts, in rank order as they connect (a wrong key is logged and
-        refused; the router waits for the right ones)."""
         if self._listener is None:
             return
-        for rank in sorted(remote_ranks(self.config.disaggregation)):
-            args = self._args[rank]
-            logger.info("waiting for remote %s worker %d at port %d", args.role, rank,
-                        self._listener.address[1])
-            while (conn := _authenticated(self._listener.accept(), self._plan.worker_key)) \
-                    is None:
-                logger.warning("a connection to the worker port did not prove the key within "
-                               "%.0f s; dropped", HANDSHAKE_SECONDS)
-            send_message(conn, replace(args, router_clock=time.monotonic()))
-            self._workers[rank] = _Worker(rank, args.role, conn, conn)
-        self._listener.close()
-
-    @property
-    def workers(self) -> list[_Worker]:
-        return [w for w in self._workers if w is not None]
+        remote = [args for args in self._args if args.rank in remote_ranks(self._plan)]
+        self.workers += admit_remote(self._listener, remote, self._plan.worker_key)
+        self.workers.sort(key=lambda w: w.rank)
 
     def start(self) -> None:
         for worker in self.workers:
@@ -333,10 +180,10 @@ class DisaggregatedCore:
 
     # --- routing (under the lock) ---
 
-    def _of(self, role: str) -> list[_Worker]:
+    def _of(self, role: str) -> list[WorkerEnd]:
         return [w for w in self.workers if w.role == role]
 
-    def _least_busy(self, role: str) -> _Worker | None:
+    def _least_busy(self, role: str) -> WorkerEnd | None:
         live = [w for w in self._of(role) if w.alive]
         return min(live, key=lambda w: w.in_flight) if live else None
 
@@ -358,8 +205,8 @@ class DisaggregatedCore:
         prefill.in_flight += 1
         prefill.send(PrefillRequest(rid, request, decode_rank=decode.rank))
 
-    def _share(self, rid: str, request: GenerationRequest, workers: list[_Worker],
-               decode: _Worker) -> None:
+    def _share(self, rid: str, request: GenerationRequest, workers: list[WorkerEnd],
+               decode: WorkerEnd) -> None:
         """KV-Runahead: a slice of the prompt per prefill worker, the last one's the request
         itself (the others' outputs are theirs alone: dropped here). Aborts wait for its first
         token: each slice's step needs its neighbours' (engine/disagg/runahead.py)."""
@@ -437,7 +284,7 @@ class DisaggregatedCore:
 
     # --- each worker's updates ---
 
-    def _read(self, worker: _Worker) -> None:
+    def _read(self, worker: WorkerEnd) -> None:
         while True:
             update = worker.receive()
             if not isinstance(update, CoreUpdate):
@@ -450,7 +297,7 @@ class DisaggregatedCore:
                 merged = CoreUpdate(outputs, self._gauges(), update.stats)
             self._updates.put(merged)
 
-    def _passes(self, worker: _Worker, out: StepOutput) -> bool:
+    def _passes(self, worker: WorkerEnd, out: StepOutput) -> bool:
         """Whether a worker's output goes to the front (not for requests ended here)."""
         rid = out.request_id
         if self._where.get(rid) != worker.rank:
@@ -461,7 +308,7 @@ class DisaggregatedCore:
             self._finish(rid)
         return True
 
-    def _gone(self, worker: _Worker) -> None:
+    def _gone(self, worker: WorkerEnd) -> None:
         """A worker's last word (or death): fail what it held or what moves from or to it."""
         with self._lock:
             worker.alive = False

@@ -14,7 +14,7 @@ import signal
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Client, Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.core.engine_core import CoreMessage, EngineCore, prepare_to_serve
@@ -67,7 +67,7 @@ class _WorkerPipes(_Pipes):
     def receive(self, timeout: float | None) -> list[CoreMessage]:
         if self._front_gone:
             return [StopCore()]
-        messages: list = []
+        messages: list[Any] = []  # core messages, and the decode role's arrivals
         try:
             ready = self._inbox_ready.ready(timeout or 0.0)
             while ready:
