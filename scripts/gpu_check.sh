@@ -54,7 +54,9 @@
 # CHECKS=spec: issue #54's `bench spec` of the first preset (random weights: acceptance is low,
 # so it measures what verification costs), bounded at 240 s. Both: alone in a call (~4-5 min).
 # CHECKS=disagg: issue #55's `bench runahead` of the first preset (TTFT of one 4,000-token
-# prompt: colocated, one prefill worker, two sharing it), bounded at 240 s.
+# prompt: colocated, one prefill worker, two sharing it), bounded at 240 s, then `bench
+# goodput` of paged against 1 + 1 disaggregated workers on the one card (240 s; SLOs 500 / 50
+# ms, GOODPUT_RATES): alone in a call.
 # CHECKS=kernels: issue #51's attention kernels against the hardware floor: `bench profile` of
 # the first preset with --attention-backend triton and then flex, KERNEL_PROMPTS="200 1000"
 # tokens, decode at KERNEL_BATCHES=8,32 (and a prompt admitted beside them), graphs on; one
@@ -339,6 +341,15 @@ if want disagg; then  # #55: TTFT of one 4,000-token prompt, colocated and 1 / 2
         --dtype "$dtype" --prompt-tokens "${RUNAHEAD_TOKENS:-4000}" --out /tmp/gpu-check-disagg
     cp /tmp/gpu-check-disagg/runahead.json "$OUT/runahead.json" 2> /dev/null
     cat /tmp/gpu-check-disagg/runahead.md >> "$OUT/summary.txt" 2> /dev/null
+    # goodput of 1 + 1 workers splitting the card by processes against paged on all of it
+    P=serving.properties.d
+    step goodput 240 "$PY" -m handler.cli bench goodput --model-dir "$model" \
+        --properties "$P/paged.properties" "$P/disaggregated.properties" \
+        --set "option.dtype=$dtype" --set "option.device=$DEVICE" --set option.max_model_len=2048 \
+        --rates "${GOODPUT_RATES:-4,8,16,32}" --requests 48 --ttft-slo 500 --tpot-slo 50 \
+        --out /tmp/gpu-check-disagg/goodput
+    cp /tmp/gpu-check-disagg/goodput/goodput.json "$OUT/goodput.json" 2> /dev/null
+    head -12 /tmp/gpu-check-disagg/goodput/goodput.md >> "$OUT/summary.txt" 2> /dev/null
 fi
 if want sweep; then  # the README's GPU table: LMI workload, 32 clients, one KV budget for all
     random_model "$first"
