@@ -66,7 +66,8 @@ def test_the_served_check_names_a_client_and_serve_options_that_exist() -> None:
 def test_the_sweep_check_names_properties_files_that_exist() -> None:
     text = SCRIPT.read_text()
     names = set(re.findall(r"\$P/(\w+\.properties)", text))
-    assert names == {"paged.properties", "continuous.properties", "dynamic.properties"}
+    assert names == {"paged.properties", "continuous.properties", "dynamic.properties",
+                     "disaggregated.properties"}
     for name in names:
         assert (SCRIPT.parent.parent / "serving.properties.d" / name).is_file()
 
