@@ -152,6 +152,24 @@ def lora_modules(r: Reader, key: Key) -> tuple[tuple[str, str], ...]:
     return tuple(modules)
 
 
+def _json_object(r: Reader, key: Key, fields: set[str], example: str) -> dict[str, Any] | None:
+    """A key holding one of vLLM's JSON configurations: an object of known fields (None:
+    unset)."""
+    value = r.raw(key.name)
+    if not value:
+        return None
+    try:
+        spec = json.loads(value)
+    except ValueError:
+        spec = None
+    if not isinstance(spec, dict):
+        r.fail(key.name, f"a JSON object such as {example}")
+    unknown = sorted(set(spec) - fields)
+    if unknown:
+        r.refuse(key.name, f"unknown field {unknown[0]!r} (known: {', '.join(sorted(fields))})")
+    return spec
+
+
 # Speculative decoding (engine/spec/): n-gram prompt lookup, or a draft model's folder.
 _NGRAM = ("ngram", "[ngram]")
 _NOT_YET = ("EAGLE, Medusa and MTP heads are not served yet; use method ngram or draft_model "
@@ -190,20 +208,9 @@ _SPEC_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt
 def speculative_config(r: Reader, key: Key) -> dict[str, Any] | None:
     """vLLM's JSON (`method`, `num_speculative_tokens`, `prompt_lookup_min`/`max`,
     `disable_by_batch_size`) → the engine's speculative_* fields (applied over LMI's keys)."""
-    value = r.raw(key.name)
-    if not value:
+    spec = _json_object(r, key, _SPEC_FIELDS, '{"method": "ngram", "num_speculative_tokens": 4}')
+    if spec is None:
         return None
-    try:
-        spec = json.loads(value)
-    except ValueError:
-        r.fail(key.name, "a JSON object such as {\"method\": \"ngram\", "
-               "\"num_speculative_tokens\": 4}")
-    if not isinstance(spec, dict):
-        r.fail(key.name, "a JSON object")
-    unknown = sorted(set(spec) - _SPEC_FIELDS)
-    if unknown:
-        r.refuse(key.name, f"unknown field {unknown[0]!r} (served: "
-                 f"{', '.join(sorted(_SPEC_FIELDS))})")
     model = spec.get("model")
     method = str(spec.get("method") or ("ngram" if model in _NGRAM else "draft_model"
                                         if model else ""))
@@ -240,19 +247,10 @@ _KV_FIELDS = {"kv_connector", "kv_role", "kv_ip", "kv_port", "kv_buffer_device",
 def kv_transfer_config(r: Reader, key: Key) -> dict[str, Any] | None:
     """vLLM's JSON → the engine's Disaggregation fields (the worker counts are keys of
     their own): the connector, kv_role kv_both, where the workers meet, where KV is staged."""
-    value = r.raw(key.name)
-    if not value:
+    spec = _json_object(r, key, _KV_FIELDS, '{"kv_connector": "TorchDistributedConnector", '
+                        '"kv_role": "kv_both"}')
+    if spec is None:
         return None
-    try:
-        spec = json.loads(value)
-    except ValueError:
-        spec = None
-    if not isinstance(spec, dict):
-        r.fail(key.name, "a JSON object such as {\"kv_connector\": "
-               "\"TorchDistributedConnector\", \"kv_role\": \"kv_both\"}")
-    unknown = sorted(set(spec) - _KV_FIELDS)
-    if unknown:
-        r.refuse(key.name, f"unknown field {unknown[0]!r} (known: {', '.join(sorted(_KV_FIELDS))})")
     if spec.get("kv_connector") not in KV_CONNECTORS:
         r.refuse(key.name, f"kv_connector must be one of {', '.join(KV_CONNECTORS)} (KV blocks "
                  "over torch.distributed point to point: gloo, or NCCL between GPUs)")
