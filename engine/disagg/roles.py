@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.disagg.runahead import LayerStream
-from engine.inputs import AddPrefilled, CooperativeSlice, PrefillRequest
+from engine.inputs import AddPrefilled, AddRequest, CooperativeSlice, PrefillRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import Handoff
 from engine.runner.model_runner import ModelRunner
@@ -45,6 +45,13 @@ class Wire(Protocol):
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int,
              tag: int) -> torch.Tensor: ...
+
+
+def note_deadline(deadlines: dict[str, float], message: AddRequest, clock_offset: float) -> None:
+    """Record a request's deadline in this host's monotonic clock (`clock_offset`: this clock
+    minus the router's, which set it)."""
+    if message.request.deadline is not None:
+        deadlines[message.request_id] = message.request.deadline + clock_offset
 
 
 def kv_shape(engine: LLMEngine, num_tokens: int) -> tuple[int, ...]:
@@ -75,8 +82,7 @@ class PrefillRole:
             return False
         self.engine.add_validated(message.request_id, message.request)
         self._targets[message.request_id] = message.decode_rank
-        if message.request.deadline is not None:
-            deadlines[message.request_id] = message.request.deadline + self.clock_offset
+        note_deadline(deadlines, message, self.clock_offset)
         return True
 
     def _take_slice(self, message: CooperativeSlice) -> None:
@@ -150,8 +156,7 @@ class DecodeRole:
         if self._forgotten.pop(notice.request_id, "kept") is None:
             return True  # aborted on its way here
         admit_prefilled(self.engine, notice, message.kv)
-        if notice.request.deadline is not None:
-            deadlines[notice.request_id] = notice.request.deadline + self.clock_offset
+        note_deadline(deadlines, notice, self.clock_offset)
         return True
 
     def after_step(self, outputs: list[StepOutput]) -> tuple[Handoff, ...]:

@@ -13,7 +13,7 @@ measures what it buys."""
 from __future__ import annotations
 
 from engine.inputs import CooperativeSlice
-from engine.runner.kv_transfer import layer_slots
+from engine.runner.kv_transfer import table_slots
 from engine.runner.model_runner import ModelRunner
 from engine.sequence import Sequence
 
@@ -41,12 +41,11 @@ class RunaheadExchange:
         self.runner, self.wire, self.slice = runner, wire, slice_
         self.start = start
         self.tag = FIRST_TAG + slice_.coop_id % MAX_TAGS
-        layout, device = runner.layout, runner.kv_cache.device
-        self.tables = [layout.group_tables[g] for g in layout.layer_groups]
-        self.recv_slots = layer_slots(seq, layout, runner.block_size, start,
-                                      slice_.slice_start, device)
+        device = runner.kv_cache.device
+        self.tables = runner.layout.layer_tables
+        self.recv_slots = table_slots(seq, runner.block_size, start, slice_.slice_start, device)
         end = len(slice_.request.prompt_token_ids)
-        self.send_slots = layer_slots(seq, layout, runner.block_size, 0, end, device)
+        self.send_slots = table_slots(seq, runner.block_size, 0, end, device)
         self.sends: list = []
 
     def before_layer(self, layer: int) -> None:

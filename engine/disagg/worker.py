@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.core.engine_core import CoreMessage, EngineCore, prepare_to_serve
-from engine.core.process import CoreFailed, CoreReady, _Pipes
-from engine.inputs import StopCore
+from engine.core.process import CoreFailed, CoreReady, Readiness, _Pipes
 
 if TYPE_CHECKING:  # torch and what needs it load in the worker's process only (the router
     import torch  # imports this module for WorkerArgs)
@@ -58,28 +57,20 @@ class _WorkerPipes(_Pipes):
     def __init__(self, inbox: Connection, outbox: Connection) -> None:
         super().__init__(inbox, outbox)
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
-        self._inbox_ready.add(self._wake_r)
+        self._either_ready = Readiness(inbox, self._wake_r)
         self.role: DecodeRole | None = None
 
     def wake(self) -> None:
         self._wake_w.send_bytes(b"")
 
     def receive(self, timeout: float | None) -> list[CoreMessage]:
-        if self._front_gone:
-            return [StopCore()]
-        messages: list[Any] = []  # core messages, and the decode role's arrivals
-        try:
-            ready = self._inbox_ready.ready(timeout or 0.0)
-            while ready:
-                for conn in ready:
-                    if conn is self._wake_r:
-                        conn.recv_bytes()
-                    else:
-                        messages.append(conn.recv())
-                ready = self._inbox_ready.ready(0.0)
-        except (EOFError, OSError):
-            self._front_gone = True
-            messages.append(StopCore())
+        """The inbox's messages (waiting up to `timeout` for them or an arrival), then the
+        arrivals the receiving threads queued."""
+        if timeout is not None:
+            self._either_ready.ready(timeout)
+        while self._wake_r.poll():
+            self._wake_r.recv_bytes()
+        messages: list[Any] = super().receive(None)  # (and the role's arrivals, below)
         if self.role is not None:
             messages += self.role.take_arrivals()
         return messages
@@ -132,8 +123,8 @@ def worker_main(args: WorkerArgs, inbox: Connection, outbox: Connection,
     """`stoppable`: signals stop it (a remote worker's own process); else the router does."""
     logging.basicConfig(level=args.log_level, format=(
         f"%(asctime)s %(levelname)s {args.role}-worker-{args.rank} %(name)s: %(message)s"))
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        if not stoppable:
+    if not stoppable:
+        for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
     import torch
 

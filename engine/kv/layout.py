@@ -56,6 +56,11 @@ class KVLayout:
         return self.num_tables > 1
 
     @property
+    def layer_tables(self) -> tuple[int, ...]:
+        """Per layer, which of a sequence's block tables holds its K/V."""
+        return tuple(self.group_tables[g] for g in self.layer_groups)
+
+    @property
     def table_windows(self) -> tuple[int | None, ...]:
         """Per block table, the window its blocks are freed behind (None: never freed). A table
         read by a full-attention group keeps everything."""

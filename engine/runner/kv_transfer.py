@@ -9,11 +9,11 @@ from engine.kv.layout import KVLayout
 from engine.sequence import Sequence
 
 
-def layer_slots(seq: Sequence, layout: KVLayout, block_size: int, start: int, end: int,
+def table_slots(seq: Sequence, block_size: int, start: int, end: int,
                 device: torch.device) -> list[torch.Tensor]:
     """Per block table, the pool slots of positions start..end-1 of `seq` ([end - start] int64
     each). A windowed table's slid-past positions name the scratch block: their K/V is read as
-    garbage and never attended (the receiver's window releases them too)."""
+    garbage and never attended (a receiver places none there: BlockManager.allocate_placed)."""
     positions = torch.arange(start, end)  # [n]
     slots = []
     for table in seq.block_tables:
@@ -25,10 +25,9 @@ def layer_slots(seq: Sequence, layout: KVLayout, block_size: int, start: int, en
 def export_kv(kv_cache: torch.Tensor, layout: KVLayout, seq: Sequence, block_size: int,
               end: int, start: int = 0) -> torch.Tensor:
     """[layers, 2, end - start, Hkv, D]: positions start..end-1 of `seq`, by layer."""
-    slots = layer_slots(seq, layout, block_size, start, end, kv_cache.device)
-    tables = [layout.group_tables[g] for g in layout.layer_groups]
-    return torch.stack([kv_cache[tensor][:, slots[table]]
-                        for tensor, table in zip(layout.layer_tensors, tables, strict=True)])
+    slots = table_slots(seq, block_size, start, end, kv_cache.device)
+    return torch.stack([kv_cache[tensor][:, slots[table]] for tensor, table
+                        in zip(layout.layer_tensors, layout.layer_tables, strict=True)])
 
 
 def import_kv(kv_cache: torch.Tensor, layout: KVLayout, seq: Sequence, block_size: int,
@@ -38,8 +37,8 @@ def import_kv(kv_cache: torch.Tensor, layout: KVLayout, seq: Sequence, block_siz
     end = kv_start + kv.shape[2]
     if start >= end:
         return
-    slots = layer_slots(seq, layout, block_size, start, end, kv_cache.device)
+    slots = table_slots(seq, block_size, start, end, kv_cache.device)
     part = kv[:, :, start - kv_start:].to(kv_cache.device, kv_cache.dtype)
-    tables = [layout.group_tables[g] for g in layout.layer_groups]
-    for layer, (tensor, table) in enumerate(zip(layout.layer_tensors, tables, strict=True)):
+    tables = zip(layout.layer_tensors, layout.layer_tables, strict=True)
+    for layer, (tensor, table) in enumerate(tables):
         kv_cache[tensor][:, slots[table]] = part[layer]
