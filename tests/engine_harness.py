@@ -74,6 +74,18 @@ def staggered_requests(prompts: Sequence[list[int]], new_tokens: Sequence[int],
             for i, (p, n, a) in enumerate(zip(prompts, new_tokens, arrivals, strict=True))]
 
 
+def prompts_sharing_a_prefix(seed: int, lengths: Sequence[int], shared: int) -> list[list[int]]:
+    """Random prompts of the given lengths (ids 3..299), the second and fourth behind one
+    `shared`-token prefix (prefix caching finds it)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 300) for _ in range(shared)]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+    for i in (1, 3):
+        if i < len(prompts):
+            prompts[i] = prefix + prompts[i]
+    return prompts
+
+
 def prompts_with_references(path, seed: int, shared: int, tails: Sequence[int],
                             lone: Sequence[int], new_tokens: Sequence[int]):
     """(prompts, transformers' greedy continuations): prompts of one `shared`-token prefix plus

@@ -4,7 +4,6 @@ engine's pool to a decode engine's, and greedy output stays transformers' token 
 from __future__ import annotations
 
 import queue
-import random
 import time
 
 import pytest
@@ -14,7 +13,13 @@ from transformers import AutoModelForCausalLM
 from engine import EngineDeadError, SamplingParams
 from engine.disagg.roles import Arrived, DecodeRole, PrefillRole
 from engine.inputs import AddPrefilled, GenerationRequest, PrefillRequest
-from tests.engine_harness import hf_greedy, make_engine
+from tests.engine_harness import (
+    Req,
+    drive,
+    hf_greedy,
+    make_engine,
+    prompts_sharing_a_prefix,
+)
 from tests.models_fixtures import build_tiny_model
 
 
@@ -58,12 +63,7 @@ def hf(model):
 
 
 def prompts_for(seed: int, lengths=(9, 37, 4, 21, 30)) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 300) for _ in range(16)]  # a prefix two prompts share
-    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
-    prompts[1] = shared + prompts[1]
-    prompts[3] = shared + prompts[3]
-    return prompts
+    return prompts_sharing_a_prefix(seed, lengths, shared=16)
 
 
 def serve_split(model, prompts, params, prefill: dict, decode: dict) -> list[list[int]]:
@@ -143,18 +143,14 @@ def test_sampled_output_follows_the_seed_across_the_hand_off(model) -> None:
 
 
 def serve_whole(model, prompts, params) -> list[list[int]]:
+    """The same requests on one colocated engine."""
     engine = make_engine(model, "paged")
+    reqs = [Req(f"r{i}", p, params) for i, p in enumerate(prompts)]
     try:
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params)
-        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-        while engine.has_unfinished():
-            for out in engine.step_outputs():
-                if out.token_id is not None:
-                    tokens[out.request_id].append(out.token_id)
+        drive(engine, reqs)
     finally:
         engine.close()
-    return [tokens[f"r{i}"] for i in range(len(prompts))]
+    return [r.tokens for r in reqs]
 
 
 def test_a_lost_transfer_recomputes_the_prompt_after_the_same_first_token(model, hf) -> None:
@@ -174,9 +170,7 @@ def test_a_lost_transfer_recomputes_the_prompt_after_the_same_first_token(model,
             d_role.apply(Arrived(notice, None), {})
         tokens: dict[str, list[int]] = {rid: [t] for rid, t in firsts.items()}
         while d_engine.has_unfinished():
-            for out in d_engine.step_outputs():
-                if out.token_id is not None:
-                    tokens[out.request_id].append(out.token_id)
+            tokens_of(d_engine.step_outputs(), tokens)
     finally:
         p_engine.close()
         d_engine.close()
@@ -195,15 +189,6 @@ def start_client(model, max_model_len: int = 96, **disagg):
     client = EngineClient.from_config(config, 100)
     client.start()
     return client
-
-
-def serve_client(model, prompts, params, **disagg):
-    client = start_client(model, **disagg)
-    try:
-        handles = [client.submit(GenerationRequest(tuple(p), params)) for p in prompts]
-        return [[e.token_id for e in h.events() if e.token_id is not None] for h in handles]
-    finally:
-        client.shutdown(5)
 
 
 # --- KV-Runahead: one prompt shared by several prefill workers ---

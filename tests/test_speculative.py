@@ -16,7 +16,7 @@ from engine.runner.sampler import SamplingPlan, sample
 from engine.spec import speculator as spec_module
 from engine.spec.ngram import propose_ngram
 from engine.spec.speculator import Speculator
-from tests.engine_harness import Req, drive, hf_greedy, make_engine
+from tests.engine_harness import Req, drive, hf_greedy, make_engine, prompts_sharing_a_prefix
 from tests.models_fixtures import build_tiny_model
 from tests.test_kv_groups import KINDS
 
@@ -59,12 +59,7 @@ def model(tmp_path_factory):
 
 
 def prompts_for(seed: int, lengths=(9, 23, 4, 15)) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 300) for _ in range(12)]  # a prefix two prompts share
-    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
-    prompts[1] = shared + prompts[1]
-    prompts[3] = shared + prompts[3]
-    return prompts
+    return prompts_sharing_a_prefix(seed, lengths, shared=12)
 
 
 def run(path, batching: str, prompts, params, spec: bool, oracle: bool = False, **overrides):
